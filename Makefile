@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine: `make test` and `make train`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: test test-slow train lint format bench clean-venv
+
+# Create the venv; install torch first (pinned when none is importable, so a CPU-only
+# machine takes the local CPU build instead of a multi-GB CUDA one), then the package.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+train: $(STAMP)
+	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) benchmarks/vs_trl.py
+
+clean-venv:
+	rm -rf $(VENV)
