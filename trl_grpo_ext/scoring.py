@@ -1,0 +1,123 @@
+"""Calling reward functions in TRL's convention, and refusing what they return when it is wrong.
+
+A reward function is called with keyword arguments only:
+`f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)` and
+returns one `float` or `None` ("not applicable") per completion. `async def` functions run
+concurrently with each other. A function that raises, returns the wrong number of values or a
+non-number stops training with an error naming the function and the sample; nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed or returned something that is not one score per completion."""
+
+
+def reward_name(func: Callable) -> str:
+    """The metric name of a reward function: its `__name__` (or its class name)."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def resolve_reward_funcs(reward_funcs) -> list[Callable]:
+    """One or a list of callables, registry names or dotted import paths -> list of callables."""
+    if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not reward_funcs):
+        raise ValueError("reward_funcs is empty: pass at least one reward function or name.")
+    if not isinstance(reward_funcs, (list, tuple)):
+        reward_funcs = [reward_funcs]
+    if not all(callable(func) for func in reward_funcs):
+        from .rewards import get_reward  # the registry resolves names and dotted paths
+
+        reward_funcs = [func if callable(func) else get_reward(func) for func in reward_funcs]
+    resolved = list(reward_funcs)
+    names = [reward_name(func) for func in resolved]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Reward functions share the names {duplicates}; metrics are logged by name, so give "
+            "each function a distinct __name__ (e.g. functools.update_wrapper or a def)."
+        )
+    return resolved
+
+
+def _check_scores(name: str, scores, expected: int) -> list[float]:
+    if isinstance(scores, torch.Tensor):
+        scores = scores.tolist()
+    if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
+        try:
+            scores = list(scores)
+        except TypeError:
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {type(scores).__name__}; it must return a list "
+                f"with one float or None per completion ({expected} values)."
+            ) from None
+    if len(scores) != expected:
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(scores)} values for {expected} completions; "
+            "it must return exactly one float or None per completion."
+        )
+    checked = []
+    for index, score in enumerate(scores):
+        if score is None:
+            checked.append(math.nan)
+        elif isinstance(score, numbers.Real) and not isinstance(score, bool):
+            checked.append(float(score))
+        else:
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {score!r} ({type(score).__name__}) for sample "
+                f"{index}; each value must be a float, an int, or None (not applicable)."
+            )
+    return checked
+
+
+def _run_async(coroutines):
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    # A fresh event loop in a worker thread works whether or not the caller already runs one.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def call_reward_funcs(reward_funcs: list[Callable], **kwargs) -> torch.Tensor:
+    """Scores every completion with every function.
+
+    Args:
+        reward_funcs (`list[Callable]`): the reward functions.
+        **kwargs: `prompts`, `completions`, `completion_ids`, `trainer_state` and the dataset
+            columns, each a list with one entry per completion (but `trainer_state`).
+
+    Returns:
+        `torch.Tensor` of shape `(N, F)`, float32, NaN where a function returned None.
+    """
+    expected = len(kwargs["completions"])
+    results: dict[int, object] = {}
+    async_indices = [i for i, f in enumerate(reward_funcs) if inspect.iscoroutinefunction(f)]
+    if async_indices:
+        outcomes = _run_async([reward_funcs[i](**kwargs) for i in async_indices])
+        results.update(zip(async_indices, outcomes))
+    for index, func in enumerate(reward_funcs):
+        if index in results:
+            continue
+        try:
+            results[index] = func(**kwargs)
+        except Exception as error:  # noqa: BLE001 - re-raised with the function's name
+            results[index] = error
+    columns = []
+    for index, func in enumerate(reward_funcs):
+        name, outcome = reward_name(func), results[index]
+        if isinstance(outcome, BaseException):
+            raise RewardFunctionError(
+                f"Reward function {name!r} raised {type(outcome).__name__}: {outcome}"
+            ) from outcome
+        columns.append(_check_scores(name, outcome, expected))
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(expected, len(reward_funcs))

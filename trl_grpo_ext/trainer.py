@@ -1,0 +1,687 @@
+"""`GroupRelativeTrainer`: GRPO as a `transformers.Trainer` subclass.
+
+One optimizer step, on each process:
+1. `generate_rollouts`: sample G completions for each prompt of the generation batch;
+2. `score_rollouts`: call every reward function, `(N, F)` with NaN for "not applicable";
+3. `compute_advantages`: group-relative advantages over the rewards of all processes;
+4. `compute_objective`: per micro-batch, the clipped surrogate of `objective.policy_loss`.
+
+The Trainer's loop is reused as it is. Its data loader yields the prompts of a generation batch,
+repeated once per micro-batch slot (`steps_per_generation * num_iterations` times);
+`get_batch_samples`, which the loop calls once per optimizer step, turns them into rollouts the
+first time and serves buffered micro-batches after that. Each micro-batch carries the token count
+of its whole optimizer step over all processes, so the "dapo" loss is exact under gradient
+accumulation and data parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    Trainer,
+)
+
+from . import hub
+from .config import GroupRelativeConfig
+from .objective import group_advantages, policy_loss, token_logprobs, weighted_rewards
+from .rollout import Rollout, completion_mask_from_ids, eos_token_ids, generate_with_transformers
+from .scoring import call_reward_funcs, resolve_reward_funcs, reward_name
+
+try:
+    from peft import PeftModel, get_peft_model
+except ImportError:  # peft is a dependency; this keeps the import error where it is used
+    PeftModel, get_peft_model = (), None
+
+
+def is_peft_model(model) -> bool:
+    return bool(PeftModel) and isinstance(model, PeftModel)
+
+
+def is_conversational(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+class GenerationBatchSampler(Sampler[list[int]]):
+    """Yields this process's prompt indices of each generation batch, `repeats` times in a row.
+
+    Every process draws the same permutation (seeded by `seed + epoch`) and takes its own slice
+    of each global generation batch, so processes never share a prompt and a group never leaves
+    its process. An incomplete last generation batch is dropped.
+    """
+
+    def __init__(self, num_rows, prompts_per_batch, repeats, rank, world_size, shuffle, seed):
+        self.num_rows, self.prompts_per_batch, self.repeats = num_rows, prompts_per_batch, repeats
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.num_rows // (self.prompts_per_batch * self.world_size) * self.repeats
+
+    def __iter__(self):
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+        else:
+            order = list(range(self.num_rows))
+        global_batch = self.prompts_per_batch * self.world_size
+        for start in range(0, self.num_rows - global_batch + 1, global_batch):
+            local = order[start + self.rank * self.prompts_per_batch :][: self.prompts_per_batch]
+            for _ in range(self.repeats):
+                yield local
+
+
+class _EpochDataLoader(DataLoader):
+    """A DataLoader whose `set_epoch` reaches its batch sampler (the Trainer calls it)."""
+
+    def set_epoch(self, epoch: int):
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _rows(batch):
+    return batch
+
+
+class GroupRelativeTrainer(Trainer):
+    """Trains a causal language model with GRPO.
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            A hub id or local folder (loaded with `AutoModelForCausalLM` and
+            `args.model_init_kwargs`), or a model object.
+        reward_funcs (callable, `str`, or a list of them):
+            Reward functions in TRL's convention, registry names (`"math_accuracy"`) or dotted
+            import paths (`"my_pkg.rewards:score"`).
+        args ([`GroupRelativeConfig`], *optional*):
+            Training configuration; defaults to `GroupRelativeConfig("<model name>-GRPO")`.
+        train_dataset, eval_dataset (`datasets.Dataset`, *optional*):
+            Datasets with a `prompt` column: a string (standard) or a list of messages
+            (conversational, rendered with the tokenizer's chat template). Other columns are
+            passed to the reward functions, one entry per completion.
+        processing_class (`PreTrainedTokenizerBase`, *optional*):
+            Tokenizer; loaded from the model's folder when omitted.
+        peft_config (`peft.PeftConfig`, *optional*):
+            Wraps the model with these adapters; only they are trained.
+        callbacks, optimizers: as in `transformers.Trainer`.
+    """
+
+    _tag_names = ["trl_grpo_ext", "grpo"]
+    # compute_objective already scales the loss for gradient accumulation (see its docstring).
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Callable | str | list[Callable | str],
+        args: GroupRelativeConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        callbacks=None,
+        optimizers=(None, None),
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GroupRelativeConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
+        if not isinstance(args, GroupRelativeConfig):
+            raise TypeError(
+                f"args must be a GroupRelativeConfig, got {type(args).__name__}; build one with "
+                "GroupRelativeConfig(**your_args.to_dict()) or the same fields."
+            )
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+
+        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        self.reward_names = [reward_name(func) for func in self.reward_funcs]
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are "
+                f"{len(self.reward_funcs)} reward functions ({self.reward_names}); give one "
+                "weight per function."
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            columns = getattr(dataset, "column_names", None)
+            if columns is not None and "prompt" not in columns:
+                raise ValueError(
+                    f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
+                    "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
+                )
+
+        if peft_config is not None:
+            if is_peft_model(model):
+                raise ValueError("model is already a PeftModel; do not also pass peft_config.")
+            model = get_peft_model(model, peft_config)
+        if args.gradient_checkpointing and is_peft_model(model):
+            model.enable_input_require_grads()
+        self.ref_model = None
+        if args.beta > 0 and not is_peft_model(model):
+            # Full fine-tuning needs a frozen copy; under LoRA the base model with adapters
+            # disabled is the reference, with no second copy in memory.
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_rows,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        self.eos_token_ids = eos_token_ids(model, processing_class)
+        self.generation_config = GenerationConfig(
+            do_sample=True,
+            max_new_tokens=args.max_completion_length,
+            num_return_sequences=args.num_generations,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or None,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            pad_token_id=processing_class.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            **(args.generation_kwargs or {}),
+        )
+        self._buffer: list[dict] | None = None
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._last_rollout_table: dict[str, list] | None = None
+        self.model_card_sections: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ data
+
+    def get_train_dataloader(self) -> DataLoader:
+        args = self.args
+        needed = args.prompts_per_generation * args.world_size
+        if len(self.train_dataset) < needed:
+            raise ValueError(
+                f"train_dataset has {len(self.train_dataset)} prompts but one generation batch "
+                f"needs {needed}; add prompts or lower per_device_train_batch_size or "
+                "steps_per_generation."
+            )
+        sampler = GenerationBatchSampler(
+            num_rows=len(self.train_dataset),
+            prompts_per_batch=args.prompts_per_generation,
+            repeats=args.steps_per_generation * args.num_iterations,
+            rank=args.process_index,
+            world_size=args.world_size,
+            shuffle=args.shuffle_dataset,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
+        return _EpochDataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_rows)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
+        prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        first = self.state.global_step * self.args.gradient_accumulation_steps
+        window = self.args.steps_per_generation * self.args.num_iterations
+        micro_batches = []
+        for offset, rows in enumerate(prompt_batches):
+            slot = (first + offset) % window
+            if slot == 0 or self._buffer is None:
+                if slot != 0:
+                    warnings.warn(
+                        "Resumed in the middle of a generation batch; it is sampled again, so "
+                        "this run is not bit-identical to an uninterrupted one.",
+                        stacklevel=2,
+                    )
+                self._buffer = self._make_generation_batch(rows)
+            micro_batches.append(self._buffer[slot % self.args.steps_per_generation])
+        return micro_batches, micro_batches[0]["num_items_in_batch"] if micro_batches else None
+
+    # --------------------------------------------------------- override points
+
+    def generate_rollouts(self, rows: list[dict]) -> Rollout:
+        """Samples `num_generations` completions for each dataset row (one generation batch).
+
+        Args:
+            rows (`list[dict]`): dataset rows, each with a `prompt`.
+
+        Returns:
+            [`Rollout`] with `len(rows) * num_generations` completions, groups consecutive.
+        """
+        from trl.models import unwrap_model_for_generation
+
+        group_size = self.args.num_generations
+        prompts = [row["prompt"] for row in rows]
+        texts = [self._render_prompt(prompt) for prompt in prompts]
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as policy:
+            was_training = policy.training
+            policy.eval()
+            prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
+                policy,
+                self.processing_class,
+                texts,
+                generation_config=self.generation_config,
+                max_prompt_length=self.args.max_prompt_length,
+            )
+            policy.train(was_training)
+        completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        pad = self.processing_class.pad_token_id
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
+        rollout = Rollout(
+            prompts=[prompt for prompt in prompts for _ in range(group_size)],
+            completions=[],
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            is_truncated=is_truncated,
+            group_size=group_size,
+            columns={
+                key: [row[key] for row in rows for _ in range(group_size)]
+                for key in rows[0]
+                if key != "prompt"
+            },
+            policy_version=self.state.global_step,
+        )
+        decoded = self.processing_class.batch_decode(
+            rollout.completion_id_lists(), skip_special_tokens=True
+        )
+        if is_conversational(prompts[0]):
+            decoded = [[{"role": "assistant", "content": text}] for text in decoded]
+        rollout.completions = decoded
+        return rollout
+
+    def score_rollouts(self, rollout: Rollout) -> torch.Tensor:
+        """Calls every reward function on the rollout.
+
+        Returns:
+            `torch.Tensor` of shape `(N, F)`: one column per reward function, NaN where a
+            function returned None (not applicable).
+        """
+        return call_reward_funcs(
+            self.reward_funcs,
+            prompts=rollout.prompts,
+            completions=rollout.completions,
+            completion_ids=rollout.completion_id_lists(),
+            trainer_state=self.state,
+            **rollout.columns,
+        )
+
+    def compute_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantages of the rewards `(N, F)` of all processes -> `(N,)`.
+
+        Consecutive rows of `num_generations` form a group (`objective.group_advantages`).
+        """
+        return group_advantages(
+            rewards,
+            self.args.num_generations,
+            weights=self.reward_weights,
+            scale=self.args.scale_rewards,
+        )
+
+    def compute_objective(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch, scaled so that the Trainer's gradient accumulation and
+        the data-parallel gradient mean give the loss of the whole optimizer step.
+
+        "dapo" divides by the token count of the whole step on all processes (times the number
+        of processes, which the data-parallel mean divides out again), so its gradient equals
+        that of one large batch. The other loss types are per-micro-batch means; they are
+        divided by the accumulation steps, which is exact for "grpo" and "dr_grpo" (every
+        micro-batch has the same number of sequences) and is TRL's definition for "bnpo".
+
+        Returns:
+            `(loss, metrics)`; metrics are floats, averaged over micro-batches when logged.
+        """
+        args = self.args
+        logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        loss, stats = policy_loss(
+            logps,
+            batch.get("old_logps"),
+            batch["advantages"],
+            batch["completion_mask"],
+            loss_type=args.loss_type,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            importance_sampling_level=args.importance_sampling_level,
+            delta=args.delta,
+            ref_logps=batch.get("ref_logps"),
+            beta=args.beta,
+            num_items_in_batch=batch["num_items_in_batch"] / args.world_size,
+            max_completion_length=args.max_completion_length,
+        )
+        if args.loss_type != "dapo":
+            loss = loss / self.current_gradient_accumulation_steps
+        mask = batch["completion_mask"]
+        metrics = {key: value.item() for key, value in stats.items()}
+        metrics["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        return loss, metrics
+
+    # ------------------------------------------------------------------ internals
+
+    def _render_prompt(self, prompt) -> str:
+        if not is_conversational(prompt):
+            return prompt
+        continue_final = prompt[-1]["role"] == "assistant"
+        return self.processing_class.apply_chat_template(
+            prompt,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+        )
+
+    def _token_logprobs(self, model, batch, return_entropy=False):
+        completion_length = batch["completion_ids"].shape[1]
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            logits_to_keep=completion_length + 1,
+            use_cache=False,
+        ).logits  # (B, T + 1, V)
+        return token_logprobs(
+            logits[:, :-1],  # position t predicts completion token t
+            batch["completion_ids"],
+            temperature=self.args.temperature,
+            return_entropy=return_entropy,
+        )
+
+    @torch.no_grad()
+    def _logps_in_chunks(self, model, tensors, chunk_size):
+        rows = tensors["input_ids"].shape[0]
+        chunks = [
+            self._token_logprobs(model, {k: v[i : i + chunk_size] for k, v in tensors.items()})
+            for i in range(0, rows, chunk_size)
+        ]
+        return torch.cat(chunks)
+
+    def _make_generation_batch(self, rows: list[dict]) -> list[dict]:
+        args = self.args
+        rollout = self.generate_rollouts(rows)
+        rewards = self.score_rollouts(rollout).to(self.accelerator.device)  # (N, F)
+        all_rewards = self.accelerator.gather(rewards)  # (N * processes, F)
+        all_advantages = self.compute_advantages(all_rewards)  # (N * processes,)
+        local = len(rollout)
+        start = self.accelerator.process_index * local
+        advantages = all_advantages[start : start + local]  # (N,)
+        self._record_rollout_metrics(rollout, all_rewards, advantages)
+
+        device = self.accelerator.device
+        completion_mask = rollout.completion_mask.to(device)
+        if args.mask_truncated_completions:
+            completion_mask = completion_mask * (~rollout.is_truncated).to(device).unsqueeze(1)
+        tensors = {
+            "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(device),
+            "attention_mask": torch.cat([rollout.prompt_mask, completion_mask], 1).to(device),
+            "completion_ids": rollout.completion_ids.to(device),
+            "completion_mask": completion_mask,
+            "advantages": advantages.to(device),
+        }
+        micro = args.per_device_train_batch_size
+        # Later micro-batches of a generation batch see weights updated after sampling: they
+        # need the sampling policy's log-probs. With one step per generation, the current
+        # log-probs detached are the same numbers, so no extra forward pass is spent.
+        if args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps:
+            tensors["old_logps"] = self._logps_in_chunks(self.model, tensors, micro)
+        if args.beta > 0:
+            if self.ref_model is not None:
+                tensors["ref_logps"] = self._logps_in_chunks(self.ref_model, tensors, micro)
+            else:
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    tensors["ref_logps"] = self._logps_in_chunks(self.model, tensors, micro)
+
+        micro_batches = [
+            {key: value[i : i + micro] for key, value in tensors.items()}
+            for i in range(0, local, micro)
+        ]
+        # Token count of each optimizer step over all processes (the "dapo" denominator).
+        accumulation = args.gradient_accumulation_steps
+        for step_start in range(0, len(micro_batches), accumulation):
+            step = micro_batches[step_start : step_start + accumulation]
+            tokens = sum(batch["completion_mask"].sum() for batch in step)
+            tokens = self.accelerator.reduce(tokens.float(), reduction="sum").clamp(min=1)
+            for batch in step:
+                batch["num_items_in_batch"] = tokens
+        return micro_batches
+
+    def _record_rollout_metrics(self, rollout: Rollout, all_rewards, advantages):
+        gather = self.accelerator.gather
+        group_size = self.args.num_generations
+        total = weighted_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
+        grouped = total.view(-1, group_size)  # (groups, G)
+        group_std = grouped.std(dim=1)
+        metrics = self._metrics
+        metrics["reward"].append(total.nanmean().item())
+        metrics["reward_std"].append(group_std.nanmean().item())
+        metrics["frac_reward_zero_std"].append((group_std < 1e-6).float().mean().item())
+        for index, name in enumerate(self.reward_names):
+            column = all_rewards[:, index]
+            valid = column[~column.isnan()]
+            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else 0.0)
+            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else 0.0)
+        device = self.accelerator.device
+        lengths = gather(rollout.completion_lengths.to(device)).float()
+        metrics["completions/mean_length"].append(lengths.mean().item())
+        metrics["completions/min_length"].append(lengths.min().item())
+        metrics["completions/max_length"].append(lengths.max().item())
+        truncated = gather(rollout.is_truncated.to(device)).float()
+        metrics["completions/clipped_ratio"].append(truncated.mean().item())
+        tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).to(device))
+        self.state.num_input_tokens_seen += int(tokens.sum().item())
+        if self.args.log_completions:
+            self._last_rollout_table = {
+                "prompt": rollout.prompts,
+                "completion": rollout.completions,
+                **{
+                    name: all_rewards[: len(rollout), i].tolist()
+                    for i, name in enumerate(self.reward_names)
+                },
+                "advantage": advantages.tolist(),
+            }
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError(
+                "GroupRelativeTrainer does not return model outputs from compute_loss."
+            )
+        loss, metrics = self.compute_objective(model, inputs)
+        for key, value in metrics.items():
+            self._metrics[key].append(value)
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._metrics and not any(key.startswith("eval_") for key in logs):
+            names = sorted(self._metrics)
+            means = torch.tensor(
+                [sum(self._metrics[name]) / len(self._metrics[name]) for name in names],
+                device=self.accelerator.device,
+            )
+            means = self.accelerator.reduce(means, reduction="mean")
+            logs = {
+                **logs,
+                **dict(zip(names, means.tolist())),
+                "num_tokens": self.state.num_input_tokens_seen,
+            }
+            self._metrics.clear()
+            if self._last_rollout_table is not None and self.accelerator.is_main_process:
+                print_completions(self._last_rollout_table, self.args.num_completions_to_print)
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Samples completions for the evaluation prompts and reports their mean rewards.
+
+        Returns:
+            `dict` with `{prefix}_reward` and `{prefix}_rewards/<name>/mean`.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (passed here or to the trainer).")
+        rank, world = self.args.process_index, self.args.world_size
+        indices = list(range(rank, len(dataset), world))
+        chunk = max(self.args.prompts_per_generation, 1)
+        sums = torch.zeros(len(self.reward_funcs) + 1, device=self.accelerator.device)
+        counts = torch.zeros_like(sums)
+        for start in range(0, len(indices), chunk):
+            rows = [dataset[i] for i in indices[start : start + chunk]]
+            rewards = self.score_rollouts(self.generate_rollouts(rows)).to(sums.device)
+            total = weighted_rewards(rewards, self.reward_weights.to(sums.device))
+            values = torch.cat([total.unsqueeze(1), rewards], dim=1)  # (N, 1 + F)
+            valid = ~values.isnan()
+            sums += values.nan_to_num().sum(0)
+            counts += valid.sum(0)
+        sums = self.accelerator.reduce(sums, reduction="sum")
+        counts = self.accelerator.reduce(counts, reduction="sum").clamp(min=1)
+        means = (sums / counts).tolist()
+        names = ["reward"] + [f"rewards/{name}/mean" for name in self.reward_names]
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in zip(names, means)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(
+            self.args, self.state, self.control, metrics
+        )
+        return metrics
+
+    # ------------------------------------------------------ checkpoints, Hub
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """As `Trainer.train`; `resume_from_checkpoint=True` skips incomplete checkpoints (one
+        whose writing was interrupted) and resumes from the last complete one."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"No complete checkpoint in {self.args.output_dir} to resume from; pass "
+                    "resume_from_checkpoint=None to start afresh."
+                )
+        elif isinstance(resume_from_checkpoint, str) and not is_complete_checkpoint(
+            resume_from_checkpoint
+        ):
+            raise ValueError(
+                f"{resume_from_checkpoint} is not a complete checkpoint (no readable "
+                "trainer_state.json: its writing was interrupted). Resume from an earlier one."
+            )
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            self.create_model_card(output_dir=output_dir)
+
+    def create_model_card(
+        self, model_name=None, dataset_name=None, tags=None, output_dir=None, **_
+    ):
+        """Writes `README.md` with Hub metadata, the reward functions and the configuration.
+
+        Sections in `trainer.model_card_sections` (title -> markdown) are appended, which is
+        how the recipe adds its before/after table.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if is_peft_model(model) else model
+        base_model = base.config._name_or_path or None
+        if base_model and os.path.isdir(base_model):
+            base_model = None  # a local folder means nothing on the Hub
+        card = hub.build_model_card(
+            base_model=base_model,
+            is_adapter=is_peft_model(model),
+            reward_names=self.reward_names,
+            config=self.args,
+            model_name=model_name
+            or self.args.hub_model_id
+            or os.path.basename(self.args.output_dir),
+            datasets=[dataset_name] if isinstance(dataset_name, str) else dataset_name,
+            extra_sections=self.model_card_sections,
+            tags=tags,
+        )
+        card.save(os.path.join(output_dir or self.args.output_dir, "README.md"))
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking=True,
+        token=None,
+        revision=None,
+        **_,
+    ):
+        """Uploads the adapter (or model), tokenizer and model card, nothing else.
+
+        The repository is `args.hub_model_id` (default: the output folder's name), private
+        when `args.hub_private_repo` is set.
+        """
+        self.save_model(self.args.output_dir, _internal_call=True)
+        if not self.args.should_save:
+            return None
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        return hub.push_folder(
+            self.args.output_dir,
+            repo_id=repo_id,
+            private=self.args.hub_private_repo,
+            token=token or self.args.hub_token,
+            revision=revision or self.args.hub_revision,
+            commit_message=commit_message or "End of training",
+        )
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """A checkpoint is complete when its `trainer_state.json`, written last, parses."""
+    import json
+
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as handle:
+            json.load(handle)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` in `output_dir` whose writing finished, or None."""
+    if not os.path.isdir(output_dir):
+        return None
+    candidates = []
+    for name in os.listdir(output_dir):
+        prefix, _, step = name.partition("-")
+        if prefix == "checkpoint" and step.isdigit():
+            candidates.append((int(step), os.path.join(output_dir, name)))
+    for _, path in sorted(candidates, reverse=True):
+        if is_complete_checkpoint(path):
+            return path
+        warnings.warn(
+            f"Skipping {path}: its writing was interrupted (left in place).", stacklevel=3
+        )
+    return None
+
+
+def print_completions(table: dict[str, list], limit: int | None) -> None:
+    """Prints sample prompts, completions and rewards as a plain-text table."""
+    rows = list(zip(*table.values()))[:limit]
+
+    def cell(value, width=40):
+        text = (
+            value
+            if isinstance(value, str)
+            else (f"{value:.3f}" if isinstance(value, float) else str(value))
+        )
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    header = " | ".join(cell(name, 40 if i < 2 else 10) for i, name in enumerate(table))
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(" | ".join(cell(value, 40 if i < 2 else 10) for i, value in enumerate(row)))
