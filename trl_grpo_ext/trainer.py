@@ -30,6 +30,7 @@ from transformers import (
     GenerationConfig,
     PreTrainedModel,
     Trainer,
+    set_seed,
 )
 
 from . import hub
@@ -142,6 +143,7 @@ class GroupRelativeTrainer(Trainer):
                 f"args must be a GroupRelativeConfig, got {type(args).__name__}; build one with "
                 "GroupRelativeConfig(**your_args.to_dict()) or the same fields."
             )
+        set_seed(args.seed)  # adapters and heads initialised below are reproducible
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
         if processing_class is None:

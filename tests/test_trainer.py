@@ -1,0 +1,354 @@
+"""GroupRelativeTrainer end to end on the tiny model: data, rollouts, rewards, LoRA, metrics."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from trainer_helpers import digit_sums, logged, make_trainer, right_digit
+
+from trl_grpo_ext import GroupRelativeTrainer
+from trl_grpo_ext.rollout import completion_mask_from_ids
+from trl_grpo_ext.scoring import RewardFunctionError
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+# ----------------------------------------------------------------------------- completion masks
+
+
+def test_completion_mask_ends_at_first_eos_inclusive():
+    eos, pad = 9, 0
+    completion_ids = torch.tensor([[5, 6, eos, pad], [5, eos, 7, eos], [5, 6, 7, 8]])
+    mask, truncated = completion_mask_from_ids(completion_ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_completion_mask_when_pad_equals_eos():
+    eos = 9  # padding after the first eos uses the same id and must not count
+    completion_ids = torch.tensor([[5, eos, eos, eos], [eos, eos, eos, eos]])
+    mask, truncated = completion_mask_from_ids(completion_ids, [eos])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert not truncated.any()
+
+
+def test_rollout_masks_with_a_tokenizer_whose_pad_is_eos(tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    tokenizer.pad_token = tokenizer.eos_token
+    trainer = make_trainer(tmp_path, model=model, tokenizer=tokenizer, max_completion_length=6)
+    rollout = trainer.generate_rollouts([{"prompt": "1+1="}, {"prompt": "2+0="}])
+    eos = tokenizer.eos_token_id
+    for ids, mask, truncated in zip(
+        rollout.completion_ids, rollout.completion_mask, rollout.is_truncated
+    ):
+        length = int(mask.sum())
+        assert mask[:length].all() and not mask[length:].any()
+        if truncated:
+            assert length == 6 and eos not in ids.tolist()
+        else:
+            assert ids[length - 1] == eos and eos not in ids[: length - 1].tolist()
+
+
+def test_mask_truncated_completions_removes_them_from_the_loss(tmp_path):
+    trainer = make_trainer(tmp_path, max_completion_length=1, mask_truncated_completions=True)
+    batch = trainer._make_generation_batch([{"prompt": "1+1=", "answer": "2"}] * 2)[0]
+    # With one token allowed, only completions that emitted eos at once are kept.
+    assert batch["completion_mask"].sum() < batch["completion_mask"].numel()
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def test_groups_are_consecutive_and_columns_repeated_per_completion(tmp_path):
+    seen = {}
+
+    def record(prompts, completions, completion_ids, answer, level, trainer_state, **kwargs):
+        seen.update(prompts=prompts, answer=answer, level=level, ids=completion_ids)
+        assert trainer_state is not None
+        return [0.0] * len(completions)
+
+    dataset = Dataset.from_list(
+        [{"prompt": f"{a}+1=", "answer": str(a + 1), "level": a} for a in range(4)]
+    )
+    trainer = make_trainer(tmp_path, reward_funcs=record, dataset=dataset)
+    rollout = trainer.generate_rollouts([dataset[0], dataset[1]])
+    trainer.score_rollouts(rollout)
+    assert seen["prompts"] == ["0+1="] * 4 + ["1+1="] * 4
+    assert seen["answer"] == ["1"] * 4 + ["2"] * 4
+    assert seen["level"] == [0] * 4 + [1] * 4
+    assert all(len(ids) == int(n) for ids, n in zip(seen["ids"], rollout.completion_lengths))
+
+
+def test_conversational_prompts_use_the_chat_template(tmp_path):
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)}
+            for a in range(4)
+        ]
+    )
+    captured = {}
+
+    def record(prompts, completions, **kwargs):
+        captured.update(prompts=prompts, completions=completions)
+        return [1.0] * len(completions)
+
+    trainer = make_trainer(tmp_path, reward_funcs=record, dataset=dataset)
+    rollout = trainer.generate_rollouts([dataset[0]])
+    trainer.score_rollouts(rollout)
+    text = trainer.processing_class.decode(rollout.prompt_ids[0], skip_special_tokens=False)
+    assert text.endswith("<|im_start|>user\n0+1=<|im_end|>\n<|im_start|>assistant\n")
+    assert captured["completions"][0][0]["role"] == "assistant"
+    assert isinstance(captured["completions"][0][0]["content"], str)
+
+
+def test_dataset_without_prompt_column_lists_its_columns(tmp_path):
+    dataset = Dataset.from_list([{"question": "1+1=", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*\['question', 'answer'\]"):
+        make_trainer(tmp_path, dataset=dataset)
+
+
+def test_reward_weights_of_wrong_length(tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1"):
+        make_trainer(tmp_path, reward_weights=[1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def _score(tmp_path, reward_funcs, **config):
+    trainer = make_trainer(tmp_path, reward_funcs=reward_funcs, **config)
+    rollout = trainer.generate_rollouts([{"prompt": "1+1=", "answer": "2"}])
+    return trainer, trainer.score_rollouts(rollout)
+
+
+def test_none_excludes_a_function_for_that_sample_and_weights_apply(tmp_path):
+    def first(completions, **kwargs):
+        return [1.0, None, 1.0, None]
+
+    def second(completions, **kwargs):
+        return [2.0, 2.0, None, None]
+
+    trainer, rewards = _score(tmp_path, [first, second], reward_weights=[1.0, 0.5])
+    assert torch.isnan(rewards[1, 0]) and torch.isnan(rewards[2, 1])
+    advantages = trainer.compute_advantages(rewards)
+    # Totals: 1 + 1, 0.5 * 2, 1, (all None -> excluded); group of the first three.
+    totals = torch.tensor([2.0, 1.0, 1.0])
+    expected = (totals - totals.mean()) / (totals.std() + 1e-4)
+    torch.testing.assert_close(advantages[:3], expected)
+    assert advantages[3] == 0
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ([1.0, 1.0], r"'broken' returned 2 values for 4 completions"),
+        ([1.0, "yes", 1.0, 1.0], r"'broken' returned 'yes' \(str\) for sample 1"),
+        ([1.0, 1.0, [1.0], 1.0], r"'broken' returned \[1.0\] \(list\) for sample 2"),
+        (0.5, r"'broken' returned float"),
+    ],
+)
+def test_bad_reward_returns_stop_training_with_the_name_and_sample(tmp_path, returned, message):
+    def broken(completions, **kwargs):
+        return returned
+
+    with pytest.raises(RewardFunctionError, match=message):
+        _score(tmp_path, broken)
+
+
+def test_a_raising_reward_function_is_named(tmp_path):
+    def explodes(completions, **kwargs):
+        raise KeyError("solution")
+
+    with pytest.raises(RewardFunctionError, match="'explodes' raised KeyError"):
+        _score(tmp_path, explodes)
+
+
+def test_async_reward_functions_run_concurrently(tmp_path):
+    # Each function waits for the other to start: run one after the other, they would time out.
+    started = {}
+
+    async def make_barrier():
+        return asyncio.Event()
+
+    def make(name, other):
+        async def reward(completions, **kwargs):
+            started.setdefault("events", {})
+            loop_events = started["events"]
+            loop_events.setdefault(name, asyncio.Event()).set()
+            await asyncio.wait_for(loop_events.setdefault(other, asyncio.Event()).wait(), 5)
+            return [1.0] * len(completions)
+
+        reward.__name__ = name
+        return reward
+
+    _, rewards = _score(tmp_path, [make("left", "right"), make("right", "left")])
+    assert rewards.shape == (4, 2) and torch.all(rewards == 1)
+
+
+def test_trl_rewards_work_unchanged(tmp_path):
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"{a}+1="}], "solution": str(a + 1)}
+            for a in range(4)
+        ]
+    )
+    trainer = make_trainer(
+        tmp_path, reward_funcs=[accuracy_reward, think_format_reward], dataset=dataset
+    )
+    rollout = trainer.generate_rollouts([dataset[0]])
+    rewards = trainer.score_rollouts(rollout)
+    assert rewards.shape == (4, 2)
+    assert trainer.reward_names == ["accuracy_reward", "think_format_reward"]
+    # Random completions are neither right nor well formatted.
+    assert torch.nan_to_num(rewards).eq(0).all()
+    trainer.train()
+    assert "rewards/think_format_reward/mean" in trainer.state.log_history[0]
+
+
+# ----------------------------------------------------------------------------- LoRA and reference
+
+
+def _base_weights(trainer):
+    return {
+        name: param.detach().clone()
+        for name, param in trainer.model.named_parameters()
+        if "lora_" not in name
+    }
+
+
+def test_lora_trains_only_adapters_and_base_stays_bit_identical(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=3, beta=0.1)
+    assert trainer.ref_model is None  # the base model with adapters disabled is the reference
+    before = _base_weights(trainer)
+    lora_before = {
+        n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n
+    }
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        if "lora_" in name:
+            assert param.requires_grad
+        else:
+            assert not param.requires_grad
+            assert torch.equal(param, before[name]), name
+    changed = [
+        not torch.equal(p, lora_before[n])
+        for n, p in trainer.model.named_parameters()
+        if n in lora_before
+    ]
+    assert any(changed)
+    kl = logged(trainer, "kl")
+    assert len(kl) == 3 and all(value >= 0 for value in kl) and kl[-1] > 0
+
+
+def test_gradient_checkpointing_with_lora(tmp_path):
+    trainer = make_trainer(tmp_path, gradient_checkpointing=True, max_steps=2)
+    trainer.train()
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+    assert any(p.grad is None for p in trainer.model.parameters())  # zeroed after the step
+
+
+def test_full_finetuning_with_kl_keeps_a_frozen_reference_of_an_in_memory_model(tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    model.config._name_or_path = "does/not-exist"  # TRL would try to reload the reference from here
+    trainer = make_trainer(
+        tmp_path, model=model, tokenizer=tokenizer, peft=False, beta=0.1, max_steps=3
+    )
+    reference = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    for name, param in trainer.ref_model.named_parameters():
+        assert not param.requires_grad and torch.equal(param, reference[name])
+    moved = [not torch.equal(p, reference[n]) for n, p in trainer.model.named_parameters()]
+    assert any(moved)
+    assert logged(trainer, "kl")[-1] > 0
+
+
+def test_model_from_a_local_folder(tmp_path, tiny_model_dir):
+    trainer = GroupRelativeTrainer(
+        model=tiny_model_dir,
+        reward_funcs=right_digit,
+        args=make_trainer(tmp_path).args,
+        train_dataset=digit_sums(),
+    )
+    assert trainer.processing_class.padding_side == "left"
+    trainer.train()
+
+
+# ----------------------------------------------------------------------------- old log-probs
+
+
+class CountingForwards:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self.hook)
+
+    def hook(self, module, args):
+        self.calls += 1
+
+
+def test_no_extra_forward_for_old_logps_with_one_iteration(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=1, max_completion_length=1)
+    counter = CountingForwards(trainer.model.get_base_model())
+    batches = trainer._make_generation_batch([{"prompt": "1+1=", "answer": "2"}] * 2)
+    generation_calls = counter.calls  # one forward per generated token
+    assert "old_logps" not in batches[0]
+    trainer.compute_objective(trainer.model, batches[0])
+    assert counter.calls == generation_calls + 1
+
+
+def test_old_logps_computed_once_per_generation_batch_with_several_iterations(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=4, num_iterations=2, max_completion_length=1)
+    counter = CountingForwards(trainer.model.get_base_model())
+    trainer.train()
+    # 2 generation batches x (1 generation forward + 1 old-logps forward) + 4 training forwards
+    assert counter.calls == 2 * 2 + 4
+    assert logged(trainer, "ratio_mean")[0] == pytest.approx(1.0, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
+    """2 micro-batches of 8 accumulate the same gradient as one of 16 (SGD, no clipping)."""
+    weights = []
+    for micro, accumulation in ((16, 1), (8, 2)):
+        trainer = make_trainer(
+            tmp_path / f"{micro}",
+            loss_type=loss_type,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+            max_completion_length=4,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+        )
+        trainer.train()
+        weights.append(
+            {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+        )
+    assert any(w.abs().sum() > 0 for w in weights[0].values())
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_use_trl_names(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, log_completions=True, beta=0.05, max_steps=2)
+    trainer.train()
+    entry = trainer.state.log_history[0]
+    expected = [
+        "reward", "reward_std", "rewards/odd_first_byte/mean", "rewards/odd_first_byte/std",
+        "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+        "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
+        "num_tokens", "loss", "grad_norm", "learning_rate",
+    ]  # fmt: skip
+    assert [key for key in expected if key not in entry] == []
+    assert entry["num_tokens"] > 0 and 0 <= entry["completions/clipped_ratio"] <= 1
+    printed = capsys.readouterr().out
+    assert "prompt" in printed and "completion" in printed and "odd_first_byte" in printed
