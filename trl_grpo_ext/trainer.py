@@ -208,6 +208,7 @@ class GroupRelativeTrainer(Trainer):
             **(args.generation_kwargs or {}),
         )
         self._buffer: list[dict] | None = None
+        self._resumed_from = self._rng_restored_from = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
@@ -237,6 +238,11 @@ class GroupRelativeTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
         prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._resumed_from is not None:
+            # The Trainer restores the RNG only after this method; rollouts sample here, so a
+            # resumed run restores it first to continue exactly as the uninterrupted one.
+            super()._load_rng_state(self._resumed_from)
+            self._rng_restored_from, self._resumed_from = self._resumed_from, None
         first = self.state.global_step * self.args.gradient_accumulation_steps
         window = self.args.steps_per_generation * self.args.num_iterations
         micro_batches = []
@@ -576,7 +582,13 @@ class GroupRelativeTrainer(Trainer):
                 f"{resume_from_checkpoint} is not a complete checkpoint (no readable "
                 "trainer_state.json: its writing was interrupted). Resume from an earlier one."
             )
+        self._resumed_from = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is not None and checkpoint == self._rng_restored_from:
+            return  # already restored before the first rollout of the resumed run
+        super()._load_rng_state(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""

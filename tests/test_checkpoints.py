@@ -1,0 +1,135 @@
+"""Checkpoints, resume, saving and the Hub push."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from trainer_helpers import make_trainer
+from transformers import TrainerCallback
+
+from trl_grpo_ext.trainer import last_complete_checkpoint
+
+RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
+
+
+def trained_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def assert_same_weights(first, second):
+    assert first.keys() == second.keys()
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    trainer = make_trainer(tmp_path_factory.mktemp("straight"), **RUN)
+    trainer.train()
+    return trainer, trained_weights(trainer)
+
+
+class StopAfter(TrainerCallback):
+    """Ends training after `step` optimizer steps, as a killed job would (after its save)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_resume_continues_the_same_run(tmp_path, straight_run):
+    _, straight = straight_run
+    first = make_trainer(tmp_path, **RUN)
+    first.add_callback(StopAfter(2))
+    first.train()
+    assert first.state.global_step == 2
+    second = make_trainer(tmp_path, **RUN)
+    second.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-2"))
+    assert second.state.global_step == 4
+    assert_same_weights(straight, trained_weights(second))
+
+
+def test_a_checkpoint_killed_while_writing_leaves_the_previous_one_usable(tmp_path, straight_run):
+    _, straight = straight_run
+    trainer = make_trainer(tmp_path, **RUN)
+    original = trainer._save_rng_state
+
+    def killed_at_step_4(output_dir):
+        if trainer.state.global_step == 4:
+            raise KeyboardInterrupt("killed while writing the checkpoint")
+        original(output_dir)
+
+    trainer._save_rng_state = killed_at_step_4
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    partial = tmp_path / "checkpoint-4"
+    assert partial.is_dir() and not (partial / "trainer_state.json").exists()
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        make_trainer(tmp_path, **RUN).train(resume_from_checkpoint=str(partial))
+    resumed = make_trainer(tmp_path, **RUN)
+    with pytest.warns(UserWarning, match="interrupted"):
+        resumed.train(resume_from_checkpoint=True)
+    assert_same_weights(straight, trained_weights(resumed))
+    assert partial.is_dir()  # the user's files are never deleted
+
+
+def test_save_model_writes_the_adapter_tokenizer_and_card(tmp_path, straight_run):
+    trainer, _ = straight_run
+    trainer.save_model(str(tmp_path / "final"))
+    files = set(os.listdir(tmp_path / "final"))
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "README.md",
+    } <= files
+    assert not any(name.startswith("model") for name in files)  # no full weights under LoRA
+    card = (tmp_path / "final" / "README.md").read_text()
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert metadata["library_name"] == "peft"
+    assert {"grpo", "trl_grpo_ext"} <= set(metadata["tags"])
+    assert "odd_first_byte" in card and "| `loss_type` | dapo |" in card
+
+    from peft import AutoPeftModelForCausalLM  # the adapter loads back with PEFT
+
+    with open(tmp_path / "final" / "adapter_config.json") as handle:
+        assert json.load(handle)["peft_type"] == "LORA"
+    del AutoPeftModelForCausalLM
+
+
+def test_push_to_hub_uploads_exactly_adapter_tokenizer_and_card(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    calls = {}
+
+    def fake_create_repo(self, repo_id, private=None, **kwargs):
+        calls["create"] = (repo_id, private)
+
+    def fake_upload_folder(self, repo_id, folder_path, **kwargs):
+        calls["files"] = sorted(os.listdir(folder_path))
+        calls["card"] = open(os.path.join(folder_path, "README.md")).read()
+        calls["repo_id"] = repo_id
+
+    monkeypatch.setattr(HfApi, "create_repo", fake_create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+    trainer = make_trainer(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=1,
+        hub_model_id="someone/tiny-grpo", hub_private_repo=True,
+    )  # fmt: skip
+    trainer.train()
+    trainer.model_card_sections["Before and after"] = "| model | accuracy |\n|---|---|"
+    trainer.push_to_hub()
+    assert calls["create"] == ("someone/tiny-grpo", True)
+    assert calls["files"] == sorted(
+        ["README.md", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja",
+         "tokenizer.json", "tokenizer_config.json"]
+    )  # fmt: skip
+    assert "## Before and after" in calls["card"]
+    metadata = yaml.safe_load(calls["card"].split("---")[1])
+    assert metadata["library_name"] == "peft" and "grpo" in metadata["tags"]
