@@ -1,0 +1,307 @@
+"""Math datasets for GRPO, as `datasets.Dataset`s with a `prompt` and an `answer` column.
+
+Every loader returns the same two columns (plus `question`, the raw problem text): `prompt` is a
+list of chat messages (an optional system message asking for reasoning and a boxed answer, then
+the problem as the user message), `answer` the reference final answer as a string that
+`math_verify` can parse. Sources:
+
+- `gsm8k`: `openai/gsm8k` (`main`), the answer after `####` in the reference solution;
+- `math`: a MATH training split (`DigitalLearningGmbH/MATH-lighteval` by default) for training,
+  `HuggingFaceH4/MATH-500` for evaluation; the answer is the last `\\boxed{}` of the solution
+  where no `answer` column exists;
+- a local `.jsonl`/`.json`/`.parquet`/`.csv` file with configurable question and answer columns;
+- `synthetic`: arithmetic generated in code, offline and seeded, with a difficulty setting and
+  a held-out split that never shares a problem with the training split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+from dataclasses import dataclass
+
+from datasets import Dataset, load_dataset
+
+SYSTEM_PROMPT = (
+    "You are a careful math solver. Think through the problem step by step, then give the final "
+    "answer on its own at the end as \\boxed{answer}."
+)
+
+# Hub datasets known by a short name: (path, config, train split, evaluation split, question
+# column, answer column). MATH has no single Hub repo with both splits, hence two entries.
+HUB_DATASETS = {
+    "gsm8k": ("openai/gsm8k", "main", "train", "test", "question", "answer"),
+    "openai/gsm8k": ("openai/gsm8k", "main", "train", "test", "question", "answer"),
+    "math": (
+        "DigitalLearningGmbH/MATH-lighteval",
+        "default",
+        "train",
+        "test",
+        "problem",
+        "solution",
+    ),
+    "math500": ("HuggingFaceH4/MATH-500", "default", "test", "test", "problem", "answer"),
+    "HuggingFaceH4/MATH-500": (
+        "HuggingFaceH4/MATH-500",
+        "default",
+        "test",
+        "test",
+        "problem",
+        "answer",
+    ),
+}
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def last_boxed(text: str) -> str | None:
+    """Contents of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None
+    when there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    index = text.index("{", start) + 1
+    depth = 1
+    for position in range(index, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[index:position]
+    return None
+
+
+def extract_reference_answer(solution: str) -> str:
+    """The final answer of a reference solution: after `####` (GSM8K), else the last
+    `\\boxed{}` (MATH), else the text itself stripped."""
+    if "####" in solution:
+        return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    boxed = last_boxed(solution)
+    return boxed.strip() if boxed is not None else solution.strip()
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def make_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict]:
+    """Chat messages for one problem: the system prompt (unless empty or None), then the user."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": question}]
+
+
+def check_chat_template(tokenizer, system_prompt: str | None = SYSTEM_PROMPT) -> str:
+    """Renders one prompt and refuses a template that opens a `<think>` block in it.
+
+    Some templates (Qwen3 with thinking enabled, DeepSeek-R1 distills) end the generation prompt
+    with `<think>\\n`: the completion then starts inside a think block that it never opened, and
+    a format reward that looks for the whole block fails on every sample. Returns the rendered
+    prompt.
+    """
+    rendered = tokenizer.apply_chat_template(
+        make_prompt("What is 1 + 1?", system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    tail = rendered[rendered.rfind("What is 1 + 1?") :]
+    opened = tail.count("<think>") - tail.count("</think>")
+    if opened > 0:
+        raise ValueError(
+            "The chat template pre-fills an open <think> tag at the start of the completion, "
+            "which breaks the format reward. Use a template without it (for Qwen3, pass "
+            "enable_thinking=False, or a tokenizer whose template leaves thinking to the model)."
+        )
+    return rendered
+
+
+def to_prompt_dataset(
+    dataset: Dataset,
+    question_column: str,
+    answer_column: str,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    extract_answer: bool = True,
+) -> Dataset:
+    """Maps any dataset with a question and an answer column to `question`, `prompt`, `answer`."""
+    for column in (question_column, answer_column):
+        if column not in dataset.column_names:
+            raise ValueError(
+                f"Column {column!r} not found; the dataset has {dataset.column_names}. Set "
+                "dataset_question_column / dataset_answer_column to the right names."
+            )
+
+    def convert(row):
+        answer = str(row[answer_column])
+        return {
+            "question": row[question_column],
+            "prompt": make_prompt(row[question_column], system_prompt),
+            "answer": extract_reference_answer(answer) if extract_answer else answer.strip(),
+        }
+
+    return dataset.map(convert, remove_columns=dataset.column_names)
+
+
+# ---------------------------------------------------------------------------- synthetic
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """Operand digits and operations of one synthetic difficulty level."""
+
+    digits: int
+    operations: str
+
+
+# Level -> problems. Levels 1-2 fit the tiny model of the offline default; the rest are for
+# real models on a CPU smoke run.
+DIFFICULTIES = {
+    1: Difficulty(digits=1, operations="+"),
+    2: Difficulty(digits=2, operations="+"),
+    3: Difficulty(digits=2, operations="+-"),
+    4: Difficulty(digits=3, operations="+-"),
+    5: Difficulty(digits=2, operations="+-*"),
+}
+HELD_OUT_PERCENT = 20
+
+
+def is_held_out(question: str) -> bool:
+    """Whether a synthetic problem belongs to the held-out split: a hash of its text, so the
+    split is the same for every seed, size and process, and train never contains a test
+    problem."""
+    digest = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
+
+
+def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    """One `(question, answer)`; subtraction keeps the result non-negative."""
+    level = DIFFICULTIES[difficulty]
+    high = 10**level.digits - 1
+    operation = rng.choice(level.operations)
+    a, b = rng.randint(0, high), rng.randint(0, high)
+    if operation == "*":
+        b = rng.randint(0, 9)
+    if operation == "-" and b > a:
+        a, b = b, a
+    value = {"+": a + b, "-": a - b, "*": a * b}[operation]
+    return f"What is {a} {operation} {b}?", str(value)
+
+
+def synthetic_rows(
+    num_rows: int, *, split: str = "train", difficulty: int = 2, seed: int = 0, unique: bool = True
+) -> list[dict]:
+    """`num_rows` problems `{"question", "answer"}` of one split ("train" or "test").
+
+    Test rows are distinct; train rows are distinct too when `unique` (set it False to draw
+    more rows than there are problems).
+    """
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"difficulty={difficulty} is unknown; use one of {list(DIFFICULTIES)}.")
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}: use 'train' or 'test'.")
+    # Separate streams per split, so the test set does not depend on the size of the train set.
+    rng = random.Random(f"{seed}-{split}-{difficulty}")
+    want_test = split == "test"
+    rows, seen = [], set()
+    for _ in range(num_rows * 1000):
+        question, answer = synthetic_problem(rng, difficulty)
+        if is_held_out(question) != want_test or ((unique or want_test) and question in seen):
+            continue
+        seen.add(question)
+        rows.append({"question": question, "answer": answer})
+        if len(rows) == num_rows:
+            return rows
+    raise ValueError(
+        f"Only {len(rows)} distinct {split} problems at difficulty {difficulty}; ask for fewer "
+        "rows or a higher difficulty."
+    )
+
+
+def synthetic_dataset(
+    num_rows: int,
+    *,
+    split: str = "train",
+    difficulty: int = 2,
+    seed: int = 0,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    unique: bool = True,
+) -> Dataset:
+    rows = synthetic_rows(num_rows, split=split, difficulty=difficulty, seed=seed, unique=unique)
+    return Dataset.from_list(
+        [{**row, "prompt": make_prompt(row["question"], system_prompt)} for row in rows]
+    )
+
+
+# ---------------------------------------------------------------------------- loaders
+
+
+def load_math_dataset(
+    name: str,
+    split: str = "train",
+    *,
+    config: str | None = None,
+    question_column: str | None = None,
+    answer_column: str | None = None,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    num_rows: int | None = None,
+    seed: int = 0,
+    difficulty: int = 2,
+) -> Dataset:
+    """Loads a math dataset by short name, Hub id or local file, as `question/prompt/answer`.
+
+    Args:
+        name (`str`): "gsm8k", "math", "math500", "synthetic", a Hub id, or a path to a
+            `.jsonl`/`.json`/`.parquet`/`.csv` file.
+        split (`str`, *optional*, defaults to "train"): "train" or "test" for the short names
+            (mapped to each dataset's own split names), any split name for a Hub id; ignored
+            for a local file.
+        question_column, answer_column (`str`, *optional*): the columns to read; default to the
+            dataset's known columns, or "question"/"answer".
+        num_rows (`int`, *optional*): keep the first `num_rows` rows (required for "synthetic").
+        seed, difficulty: for "synthetic".
+    """
+    if name == "synthetic":
+        if num_rows is None:
+            raise ValueError("The synthetic dataset needs num_rows.")
+        return synthetic_dataset(
+            num_rows,
+            split=split,
+            difficulty=difficulty,
+            seed=seed,
+            system_prompt=system_prompt,
+            unique=split == "test",
+        )
+    extension = os.path.splitext(name)[1].lower()
+    if extension in LOCAL_FORMATS and os.path.exists(name):
+        dataset = load_dataset(LOCAL_FORMATS[extension], data_files=name, split="train")
+        default_question, default_answer = "question", "answer"
+    elif name in HUB_DATASETS:
+        path, default_config, train_split, test_split, default_question, default_answer = (
+            HUB_DATASETS[name]
+        )
+        hub_split = {"train": train_split, "test": test_split}.get(split, split)
+        dataset = load_dataset(path, config or default_config, split=hub_split)
+    elif extension in LOCAL_FORMATS:
+        raise FileNotFoundError(f"Dataset file {name} does not exist.")
+    else:
+        dataset = load_dataset(name, config, split=split)
+        default_question, default_answer = "question", "answer"
+    question_column = question_column or _first_present(
+        dataset.column_names, default_question, ("question", "problem")
+    )
+    answer_column = answer_column or _first_present(
+        dataset.column_names, default_answer, ("answer", "solution")
+    )
+    if num_rows is not None:
+        dataset = dataset.select(range(min(num_rows, len(dataset))))
+    return to_prompt_dataset(dataset, question_column, answer_column, system_prompt)
+
+
+def _first_present(columns: list[str], preferred: str, fallbacks: tuple[str, ...]) -> str:
+    for column in (preferred, *fallbacks):
+        if column in columns:
+            return column
+    return preferred
+
+
+def number_from_text(text: str) -> str | None:
+    """The last number in `text` (commas dropped), for lenient scoring of unformatted answers."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return numbers[-1].replace(",", "") if numbers else None
