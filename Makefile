@@ -39,3 +39,18 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Documentation: `make docs` installs the docs extra once and builds the site in strict mode
+# (a broken link, reference or missing page fails); `make figures` regenerates docs/img.
+.PHONY: docs figures
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) setup.cfg
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+figures: $(STAMP)
+	$(PY) docs/figures.py

@@ -278,7 +278,8 @@ def main(argv=None) -> int:
         except MissingInput as missing:
             print(f"skipped {name}: {missing}")
         else:
-            print(f"wrote {path.relative_to(DOCS.parent)}")
+            shown = path.relative_to(DOCS.parent) if path.is_relative_to(DOCS.parent) else path
+            print(f"wrote {shown}")
     return 0
 
 

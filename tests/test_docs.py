@@ -1,0 +1,126 @@
+"""The documentation's code runs: every example file, every inline Python block, the figure script.
+
+The examples under `docs/examples/` are included into the pages with pymdownx.snippets, so what
+a reader copies is what runs here, against the tiny offline model. `make docs` (mkdocs --strict)
+checks links and references; these tests need no docs tooling.
+"""
+
+import importlib.util
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLES = DOCS / "examples"
+# Modules the examples import; not included into a page themselves.
+HELPER_MODULES = {"toy_task.py"}
+
+FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SNIPPET = re.compile(r'^-{1,}8<-{1,}\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def example_files():
+    return sorted(p for p in EXAMPLES.glob("*.py") if p.name not in HELPER_MODULES)
+
+
+def pages():
+    return sorted(DOCS.glob("*.md"))
+
+
+def python_blocks(page: Path) -> list[str]:
+    return FENCE.findall(page.read_text(encoding="utf-8"))
+
+
+def snippet_references() -> list[tuple[Path, str]]:
+    return [
+        (page, reference)
+        for page in pages()
+        for block in python_blocks(page)
+        for reference in SNIPPET.findall(block)
+    ]
+
+
+@pytest.mark.parametrize("example", example_files(), ids=lambda p: p.name)
+def test_example_runs(example, tmp_path, monkeypatch):
+    """Each example runs as a script (its own asserts check its numbers), outputs in tmp."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    runpy.run_path(str(example), run_name="__main__")
+
+
+def test_inline_python_blocks_compile():
+    """Fenced Python blocks written in the pages (not included from a file) are valid Python."""
+    checked = 0
+    for page in pages():
+        for index, block in enumerate(python_blocks(page)):
+            if SNIPPET.search(block):
+                continue  # included from docs/examples, run by test_example_runs
+            compile(block, f"{page.name}, python block {index + 1}", "exec")
+            checked += 1
+    assert checked >= 0  # pages may have none; the loop above is the check
+
+
+def test_snippets_point_at_existing_sections():
+    references = snippet_references()
+    assert references, "no page includes an example; the pattern or the pages changed"
+    for page, reference in references:
+        name, _, section = reference.partition(":")
+        path = EXAMPLES / name
+        assert path.is_file(), f"{page.name} includes {name}, which is not in docs/examples"
+        if section:
+            text = path.read_text(encoding="utf-8")
+            for kind in ("start", "end"):
+                assert f"--8<-- [{kind}:{section}]" in text, (
+                    f"{page.name} includes section {section!r} of {name}, which has no "
+                    f"[{kind}:{section}] marker"
+                )
+
+
+def test_every_example_is_included_in_a_page():
+    included = {reference.partition(":")[0] for _, reference in snippet_references()}
+    orphans = [p.name for p in example_files() if p.name not in included]
+    assert not orphans, f"examples no page shows (include them or delete them): {orphans}"
+
+
+def test_nav_lists_existing_pages():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    listed = [next(iter(entry.values())) for entry in config["nav"]]
+    missing = [page for page in listed if not (DOCS / page).is_file()]
+    assert not missing, f"mkdocs.yml lists pages that do not exist: {missing}"
+    unlisted = sorted({p.name for p in pages()} - set(listed))
+    assert not unlisted, f"pages missing from the nav in mkdocs.yml: {unlisted}"
+
+
+@pytest.fixture()
+def figures(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("docs_figures", DOCS / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "docs_figures", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "IMG", tmp_path / "img")  # never overwrite docs/img in a test
+    return module
+
+
+def test_figures_from_functions_are_drawn(figures, tmp_path):
+    assert figures.main(["group_advantages", "clipped_surrogate"]) == 0
+    for name in ("group_advantages", "clipped_surrogate"):
+        assert (tmp_path / "img" / f"{name}.png").stat().st_size > 10_000
+
+
+def test_figures_skip_missing_inputs(figures, tmp_path, capsys):
+    missing = str(tmp_path / "nothing-here")
+    argv = ["heldout_accuracy", "async_vs_sync", "--default-run", missing]
+    assert figures.main([*argv, "--async-results", missing + ".json"]) == 0
+    output = capsys.readouterr().out
+    assert "skipped heldout_accuracy" in output and "skipped async_vs_sync" in output
+    assert not (tmp_path / "img").exists()
+
+
+def test_figures_reject_unknown_names(figures):
+    with pytest.raises(SystemExit):
+        figures.main(["no_such_figure"])
