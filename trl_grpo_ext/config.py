@@ -21,6 +21,16 @@ from transformers import TrainingArguments
 from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_MODES
 
 
+def _has_accelerator() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return (
+        torch.cuda.is_available()
+        or (mps is not None and mps.is_available())
+        or (xpu is not None and xpu.is_available())
+    )
+
+
 @dataclass
 class GroupRelativeConfig(TrainingArguments):
     r"""
@@ -154,6 +164,9 @@ class GroupRelativeConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        if not self.use_cpu and not _has_accelerator():
+            # Makes several CPU processes (accelerate launch --multi_gpu) use gloo data parallelism.
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = bool(
                 not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()

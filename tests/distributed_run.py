@@ -1,0 +1,37 @@
+"""A short training run, launched by tests/test_distributed.py with 1 or 2 processes.
+
+usage: distributed_run.py OUTPUT_DIR PER_DEVICE_BATCH
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from trainer_helpers import digit_sums, make_trainer, odd_first_byte  # noqa: E402
+
+output_dir, per_device = sys.argv[1], int(sys.argv[2])
+rank = int(os.environ.get("RANK", 0))
+
+
+def prompt_value(prompts, completions, answer, trainer_state, **kwargs):
+    """The reward of a prompt's answer, the same on any process; records who scored what."""
+    with open(os.path.join(output_dir, f"calls-{rank}.jsonl"), "a") as handle:
+        handle.write(json.dumps({"step": trainer_state.global_step, "prompts": prompts}) + "\n")
+    return [float(value) for value in answer]
+
+
+trainer = make_trainer(
+    output_dir,
+    reward_funcs=[prompt_value, odd_first_byte],
+    dataset=digit_sums(4),
+    per_device_train_batch_size=per_device,
+    max_steps=3,
+)
+trainer.train()
+weights = sum(
+    p.detach().double().sum().item() for p in trainer.model.parameters() if p.requires_grad
+)
+with open(os.path.join(output_dir, f"result-{rank}.json"), "w") as handle:
+    json.dump({"log": trainer.state.log_history, "weights": weights}, handle)
