@@ -50,6 +50,26 @@ class Rollout:
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(dim=1)
 
+    def select_groups(self, groups: list[int]) -> Rollout:
+        """A rollout holding only the given groups (indices of prompts), in that order."""
+        size = self.group_size
+        rows = [group * size + member for group in groups for member in range(size)]
+        index = torch.tensor(rows, dtype=torch.long)
+        pick = lambda values: [values[row] for row in rows]  # noqa: E731
+        return Rollout(
+            prompts=pick(self.prompts),
+            completions=pick(self.completions),
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            is_truncated=self.is_truncated[index],
+            group_size=size,
+            columns={key: pick(values) for key, values in self.columns.items()},
+            behaviour_logps=None if self.behaviour_logps is None else self.behaviour_logps[index],
+            policy_version=self.policy_version,
+        )
+
     def completion_id_lists(self) -> list[list[int]]:
         """Token ids of each completion without padding (TRL's `completion_ids` argument)."""
         lengths = self.completion_lengths.tolist()
@@ -115,3 +135,38 @@ def generate_with_transformers(
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     return prompt_ids, prompt_mask, output[:, prompt_length:]
+
+
+def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    missing = width - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    filler = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([filler, tensor] if left else [tensor, filler], dim=1)
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Joins rollouts of the same group size, re-padding prompts (left) and completions (right)."""
+    first = rollouts[0]
+    prompt_width = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def stack(name, width, value, left):
+        return torch.cat([_pad_to(getattr(r, name), width, value, left) for r in rollouts])
+
+    behaviour = None
+    if all(r.behaviour_logps is not None for r in rollouts):
+        behaviour = stack("behaviour_logps", completion_width, 0.0, left=False)
+    return Rollout(
+        prompts=[p for r in rollouts for p in r.prompts],
+        completions=[c for r in rollouts for c in r.completions],
+        prompt_ids=stack("prompt_ids", prompt_width, pad_token_id, left=True),
+        prompt_mask=stack("prompt_mask", prompt_width, 0, left=True),
+        completion_ids=stack("completion_ids", completion_width, pad_token_id, left=False),
+        completion_mask=stack("completion_mask", completion_width, 0, left=False),
+        is_truncated=torch.cat([r.is_truncated for r in rollouts]),
+        group_size=first.group_size,
+        columns={key: [v for r in rollouts for v in r.columns[key]] for key in first.columns},
+        behaviour_logps=behaviour,
+        policy_version=min(r.policy_version for r in rollouts),
+    )
