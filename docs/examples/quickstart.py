@@ -32,7 +32,7 @@ args = GroupRelativeConfig(
     max_completion_length=4,
     per_device_train_batch_size=8,
     learning_rate=1e-2,
-    max_steps=3,
+    max_steps=2,
     logging_steps=1,
     report_to="none",
 )

@@ -48,7 +48,7 @@ args = GroupRelativeConfig(
     max_completion_length=2,
     per_device_train_batch_size=16,
     loss_type="dapo",
-    max_steps=2,
+    max_steps=1,
     logging_steps=1,
     report_to="none",
 )

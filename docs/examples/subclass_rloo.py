@@ -33,7 +33,7 @@ args = GroupRelativeConfig(
     max_completion_length=2,
     per_device_train_batch_size=16,
     learning_rate=1e-2,
-    max_steps=2,
+    max_steps=1,
     report_to="none",
 )
 trainer = RLOOTrainer(
