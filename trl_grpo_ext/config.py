@@ -19,6 +19,7 @@ import torch
 from transformers import TrainingArguments
 
 from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_MODES
+from .off_policy import OFF_POLICY_CORRECTIONS
 
 
 def _has_accelerator() -> bool:
@@ -154,6 +155,45 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Exclude completions that hit max_completion_length from the loss."},
     )
 
+    # Beyond TRL: dynamic sampling and asynchronous rollouts
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop groups whose rewards all agree (they carry no "
+            "gradient) and sample more prompts until the generation batch is full."
+        },
+    )
+    max_resample_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "With dynamic_sampling, extra sampling rounds per generation batch before "
+            "training on what there is (the remaining slots are masked out of the loss)."
+        },
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Asynchronous rollouts: a worker process generates upcoming batches while "
+            "the trainer trains; no rollout is used more than this many optimizer steps after "
+            "the weights that generated it. None: synchronous, no worker."
+        },
+    )
+    off_policy_correction: str = field(
+        default="tis",
+        metadata={
+            "help": "Correction for rollouts from an older policy (asynchronous mode): 'none', "
+            "'tis' (token weights min(w, C)) or 'mis' (sequence weights, zero outside "
+            "[C_min, C_max])."
+        },
+    )
+    off_policy_clip: float = field(
+        default=2.0, metadata={"help": "C of 'tis', and C_max of 'mis'."}
+    )
+    off_policy_min: float = field(default=0.5, metadata={"help": "C_min of 'mis'."})
+    rollout_worker_threads: int = field(
+        default=1, metadata={"help": "CPU threads of the asynchronous rollout worker."}
+    )
+
     # Logging
     log_completions: bool = field(
         default=False,
@@ -246,6 +286,28 @@ class GroupRelativeConfig(TrainingArguments):
                 f"{self.steps_per_generation}), which is not divisible by num_generations="
                 f"{self.num_generations}; change one of them so whole groups fit."
             )
+        if self.max_resample_rounds < 0:
+            fail(f"max_resample_rounds={self.max_resample_rounds} must be >= 0.")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            fail(
+                f"off_policy_correction={self.off_policy_correction!r} is unknown; use one of "
+                f"{list(OFF_POLICY_CORRECTIONS)}."
+            )
+        if not 0 < self.off_policy_min <= 1 <= self.off_policy_clip:
+            fail(
+                f"off_policy_min={self.off_policy_min} and off_policy_clip={self.off_policy_clip} "
+                "must satisfy 0 < off_policy_min <= 1 <= off_policy_clip."
+            )
+        if self.max_staleness is not None:
+            if self.max_staleness < 0:
+                fail(f"max_staleness={self.max_staleness} must be >= 0 (or None for synchronous).")
+            if self.num_iterations != 1 or self.steps_per_generation != accumulation:
+                fail(
+                    "Asynchronous rollouts (max_staleness) need one generation batch per optimizer "
+                    f"step: set num_iterations=1 (got {self.num_iterations}) and leave "
+                    f"steps_per_generation at gradient_accumulation_steps (got "
+                    f"{self.steps_per_generation} vs {accumulation})."
+                )
         if self.reward_weights is not None and not all(
             isinstance(weight, (int, float)) for weight in self.reward_weights
         ):

@@ -7,10 +7,13 @@ mask covers each completion up to and including its first end-of-sequence token.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
+
+from .objective import token_logprobs
 
 
 @dataclass
@@ -55,7 +58,10 @@ class Rollout:
         size = self.group_size
         rows = [group * size + member for group in groups for member in range(size)]
         index = torch.tensor(rows, dtype=torch.long)
-        pick = lambda values: [values[row] for row in rows]  # noqa: E731
+
+        def pick(values):
+            return [values[row] for row in rows]
+
         return Rollout(
             prompts=pick(self.prompts),
             completions=pick(self.completions),
@@ -170,3 +176,43 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         behaviour_logps=behaviour,
         policy_version=min(r.policy_version for r in rollouts),
     )
+
+
+def completion_logprobs(
+    model, input_ids, attention_mask, completion_ids, temperature=1.0, return_entropy=False
+):
+    """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
+
+    Only the last `T + 1` positions go through the output head (`logits_to_keep`).
+    """
+    completion_length = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        logits_to_keep=completion_length + 1,
+        use_cache=False,
+    ).logits  # (B, T + 1, V)
+    return token_logprobs(
+        logits[:, :-1],  # position t predicts completion token t
+        completion_ids,
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | None = None):
+    """Runs the block with the global RNG seeded by `seed`, restoring the RNG afterwards.
+
+    Each generation batch samples from its own seed, so a resumed run, a rollout worker and
+    the synchronous trainer draw the same completions for the same batch and weights.
+    """
+    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def generation_seed(seed: int, process_index: int, batch_index: int, round_index: int = 0) -> int:
+    """A distinct, reproducible seed for each generation batch of each process."""
+    return (seed * 1_000_003 + process_index * 10_007 + batch_index * 101 + round_index) % 2**62

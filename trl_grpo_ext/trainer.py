@@ -17,6 +17,7 @@ accumulation and data parallelism.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import warnings
 from collections import defaultdict
@@ -34,9 +35,20 @@ from transformers import (
 )
 
 from . import hub
+from .async_rollout import ProcessRolloutWorker, RolloutPipeline
 from .config import GroupRelativeConfig
-from .objective import group_advantages, policy_loss, token_logprobs, weighted_rewards
-from .rollout import Rollout, completion_mask_from_ids, eos_token_ids, generate_with_transformers
+from .objective import group_advantages, policy_loss, weighted_rewards
+from .off_policy import off_policy_weights
+from .rollout import (
+    Rollout,
+    completion_logprobs,
+    completion_mask_from_ids,
+    concat_rollouts,
+    eos_token_ids,
+    generate_with_transformers,
+    generation_seed,
+    seeded,
+)
 from .scoring import call_reward_funcs, resolve_reward_funcs, reward_name
 
 try:
@@ -208,7 +220,10 @@ class GroupRelativeTrainer(Trainer):
             **(args.generation_kwargs or {}),
         )
         self._buffer: list[dict] | None = None
-        self._resumed_from = self._rng_restored_from = None
+        self._pipeline: RolloutPipeline | None = None
+        self._lookahead: list = []
+        self._lookahead_source = None
+        self._staleness_counts: dict[int, int] = {}
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
@@ -237,27 +252,32 @@ class GroupRelativeTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
-        prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._resumed_from is not None:
-            # The Trainer restores the RNG only after this method; rollouts sample here, so a
-            # resumed run restores it first to continue exactly as the uninterrupted one.
-            super()._load_rng_state(self._resumed_from)
-            self._rng_restored_from, self._resumed_from = self._resumed_from, None
-        first = self.state.global_step * self.args.gradient_accumulation_steps
-        window = self.args.steps_per_generation * self.args.num_iterations
+        args = self.args
+        if args.max_staleness is None:
+            prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        else:
+            prompt_batches = self._pull_with_lookahead(epoch_iterator, num_batches)
+        first = self.state.global_step * args.gradient_accumulation_steps
+        window = args.steps_per_generation * args.num_iterations
         micro_batches = []
         for offset, rows in enumerate(prompt_batches):
             slot = (first + offset) % window
             if slot == 0 or self._buffer is None:
-                if slot != 0:
-                    warnings.warn(
-                        "Resumed in the middle of a generation batch; it is sampled again, so "
-                        "this run is not bit-identical to an uninterrupted one.",
-                        stacklevel=2,
-                    )
-                self._buffer = self._make_generation_batch(rows)
-            micro_batches.append(self._buffer[slot % self.args.steps_per_generation])
+                # Generation batches are numbered; each samples from its own seed.
+                self._buffer = self._make_generation_batch(rows, (first + offset) // window)
+            micro_batches.append(self._buffer[slot % args.steps_per_generation])
         return micro_batches, micro_batches[0]["num_items_in_batch"] if micro_batches else None
+
+    def _pull_with_lookahead(self, epoch_iterator, num_batches):
+        """Prompt batches of this step, keeping those of the next `max_staleness` steps in
+        `self._lookahead` so the rollout worker can generate them in advance."""
+        if epoch_iterator is not self._lookahead_source:
+            self._lookahead_source, self._lookahead = epoch_iterator, []
+        wanted = num_batches * (self.args.max_staleness + 1)
+        for rows in itertools.islice(epoch_iterator, max(wanted - len(self._lookahead), 0)):
+            self._lookahead.append(rows)
+        current, self._lookahead = self._lookahead[:num_batches], self._lookahead[num_batches:]
+        return current
 
     # --------------------------------------------------------- override points
 
@@ -272,9 +292,7 @@ class GroupRelativeTrainer(Trainer):
         """
         from trl.models import unwrap_model_for_generation
 
-        group_size = self.args.num_generations
-        prompts = [row["prompt"] for row in rows]
-        texts = [self._render_prompt(prompt) for prompt in prompts]
+        texts = [self._render_prompt(row["prompt"]) for row in rows]
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as policy:
             was_training = policy.training
             policy.eval()
@@ -286,6 +304,14 @@ class GroupRelativeTrainer(Trainer):
                 max_prompt_length=self.args.max_prompt_length,
             )
             policy.train(was_training)
+        return self._build_rollout(rows, prompt_ids, prompt_mask, completion_ids)
+
+    def _build_rollout(
+        self, rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps=None, version=None
+    ) -> Rollout:
+        """A `Rollout` from sampled token ids: masks, decoded text, columns per completion."""
+        group_size = self.args.num_generations
+        prompts = [row["prompt"] for row in rows]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         pad = self.processing_class.pad_token_id
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
@@ -303,7 +329,8 @@ class GroupRelativeTrainer(Trainer):
                 for key in rows[0]
                 if key != "prompt"
             },
-            policy_version=self.state.global_step,
+            behaviour_logps=behaviour_logps,
+            policy_version=self.state.global_step if version is None else version,
         )
         decoded = self.processing_class.batch_decode(
             rollout.completion_id_lists(), skip_special_tokens=True
@@ -356,6 +383,16 @@ class GroupRelativeTrainer(Trainer):
         """
         args = self.args
         logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        importance_weights, off_policy_stats = None, {}
+        if "behaviour_logps" in batch:  # rollouts from the asynchronous worker
+            importance_weights, off_policy_stats = off_policy_weights(
+                logps,
+                batch["behaviour_logps"],
+                batch["completion_mask"],
+                correction=args.off_policy_correction,
+                clip=args.off_policy_clip,
+                min_weight=args.off_policy_min,
+            )
         loss, stats = policy_loss(
             logps,
             batch.get("old_logps"),
@@ -370,7 +407,9 @@ class GroupRelativeTrainer(Trainer):
             beta=args.beta,
             num_items_in_batch=batch["num_items_in_batch"] / args.world_size,
             max_completion_length=args.max_completion_length,
+            importance_weights=importance_weights,
         )
+        stats.update(off_policy_stats)
         if args.loss_type != "dapo":
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
@@ -392,15 +431,10 @@ class GroupRelativeTrainer(Trainer):
         )
 
     def _token_logprobs(self, model, batch, return_entropy=False):
-        completion_length = batch["completion_ids"].shape[1]
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            logits_to_keep=completion_length + 1,
-            use_cache=False,
-        ).logits  # (B, T + 1, V)
-        return token_logprobs(
-            logits[:, :-1],  # position t predicts completion token t
+        return completion_logprobs(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
             batch["completion_ids"],
             temperature=self.args.temperature,
             return_entropy=return_entropy,
@@ -415,10 +449,111 @@ class GroupRelativeTrainer(Trainer):
         ]
         return torch.cat(chunks)
 
-    def _make_generation_batch(self, rows: list[dict]) -> list[dict]:
+    def _sample(self, rows: list[dict], index: int, round_index: int = 0) -> Rollout:
+        """One generation batch: in this process (synchronous) or from the rollout worker."""
         args = self.args
-        rollout = self.generate_rollouts(rows)
-        rewards = self.score_rollouts(rollout).to(self.accelerator.device)  # (N, F)
+        seed = generation_seed(args.seed, args.process_index, index, round_index)
+        if args.max_staleness is None:
+            with seeded(seed, self.accelerator.device):
+                return self.generate_rollouts(rows)
+        pipeline = self._rollout_pipeline()
+        texts = [self._render_prompt(row["prompt"]) for row in rows]
+        if round_index > 0:  # dynamic sampling: one more batch, now, with the current weights
+            extra = -(index * (args.max_resample_rounds + 1) + round_index)  # never a step
+            batch, staleness = pipeline.generate_now(
+                extra, self.state.global_step, self._trainable_weights, texts, seed
+            )
+        else:
+            upcoming = {index: (texts, seed)}
+            step_rows = self._lookahead[:: args.gradient_accumulation_steps]
+            for ahead, future_rows in enumerate(step_rows, start=1):
+                upcoming[index + ahead] = (
+                    [self._render_prompt(row["prompt"]) for row in future_rows],
+                    generation_seed(args.seed, args.process_index, index + ahead),
+                )
+            batch, staleness = pipeline.consume(index, self._trainable_weights, upcoming)
+        self._metrics["async/staleness"].append(float(staleness))
+        self._staleness_counts[staleness] = self._staleness_counts.get(staleness, 0) + 1
+        return self._build_rollout(
+            rows,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            behaviour_logps=batch.behaviour_logps,
+            version=batch.version,
+        )
+
+    def _trainable_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout worker needs to catch up: the adapter under LoRA, else all weights."""
+        model = self.accelerator.unwrap_model(self.model)
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    def _rollout_pipeline(self) -> RolloutPipeline:
+        if self._pipeline is None:
+            model = self.accelerator.unwrap_model(self.model)
+            worker = ProcessRolloutWorker(
+                model,
+                self.processing_class,
+                self.generation_config,
+                self.args.max_prompt_length,
+                threads=self.args.rollout_worker_threads,
+            )
+            self._pipeline = RolloutPipeline(worker, self.args.max_staleness)
+        return self._pipeline
+
+    def _sample_informative(self, rows: list[dict], index: int):
+        """Dynamic sampling: resamples until every group has rewards that differ.
+
+        Returns the rollout, its rewards `(N, F)` and a `(N,)` mask of the rows to train on
+        (False for filler groups when `max_resample_rounds` ran out).
+        """
+        args = self.args
+        wanted, group_size = len(rows), args.num_generations
+        kept, kept_rewards, filler, filler_rewards = [], [], [], []
+        generated = filtered = rounds = 0
+        while True:
+            rollout = self._sample(rows, index, rounds)
+            rewards = self.score_rollouts(rollout)  # (N, F)
+            totals = weighted_rewards(rewards, self.reward_weights).view(-1, group_size)
+            informative = (totals.nan_to_num().std(dim=1) > 1e-6).tolist()
+            generated += len(informative)
+            for group, useful in enumerate(informative):
+                target = kept if useful else filler
+                (kept_rewards if useful else filler_rewards).append(
+                    rewards[group * group_size : (group + 1) * group_size]
+                )
+                target.append(rollout.select_groups([group]))
+            filtered += informative.count(False)
+            have = torch.tensor(float(len(kept)), device=self.accelerator.device)
+            # Every process takes part in every round, so collective calls stay matched.
+            if self.accelerator.reduce(have, reduction="min").item() >= wanted:
+                break
+            if rounds == args.max_resample_rounds:
+                break
+            rounds += 1
+            draw = torch.Generator().manual_seed(
+                generation_seed(args.seed, args.process_index, index, rounds)
+            )
+            picks = torch.randint(len(self.train_dataset), (wanted,), generator=draw)
+            rows = [self.train_dataset[i] for i in picks.tolist()]
+        self._metrics["dynamic_sampling/filtered_fraction"].append(filtered / generated)
+        self._metrics["dynamic_sampling/rounds"].append(float(rounds))
+        chosen = (kept + filler)[:wanted]
+        chosen_rewards = torch.cat((kept_rewards + filler_rewards)[:wanted])
+        trainable = torch.tensor(
+            [i < len(kept) for i in range(len(chosen)) for _ in range(group_size)]
+        )
+        pad = self.processing_class.pad_token_id
+        return concat_rollouts(chosen, pad), chosen_rewards, trainable
+
+    def _make_generation_batch(self, rows: list[dict], index: int = 0) -> list[dict]:
+        args = self.args
+        if args.dynamic_sampling:
+            rollout, rewards, trainable = self._sample_informative(rows, index)
+        else:
+            rollout = self._sample(rows, index)
+            rewards, trainable = self.score_rollouts(rollout), None
+        rewards = rewards.to(self.accelerator.device)  # (N, F)
         all_rewards = self.accelerator.gather(rewards)  # (N * processes, F)
         all_advantages = self.compute_advantages(all_rewards)  # (N * processes,)
         local = len(rollout)
@@ -430,6 +565,8 @@ class GroupRelativeTrainer(Trainer):
         completion_mask = rollout.completion_mask.to(device)
         if args.mask_truncated_completions:
             completion_mask = completion_mask * (~rollout.is_truncated).to(device).unsqueeze(1)
+        if trainable is not None:  # filler groups of dynamic sampling carry no gradient
+            completion_mask = completion_mask * trainable.to(device).unsqueeze(1)
         tensors = {
             "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(device),
             "attention_mask": torch.cat([rollout.prompt_mask, completion_mask], 1).to(device),
@@ -437,6 +574,8 @@ class GroupRelativeTrainer(Trainer):
             "completion_mask": completion_mask,
             "advantages": advantages.to(device),
         }
+        if rollout.behaviour_logps is not None:
+            tensors["behaviour_logps"] = rollout.behaviour_logps.to(device)
         micro = args.per_device_train_batch_size
         # Later micro-batches of a generation batch see weights updated after sampling: they
         # need the sampling policy's log-probs. With one step per generation, the current
@@ -523,6 +662,10 @@ class GroupRelativeTrainer(Trainer):
                 "num_tokens": self.state.num_input_tokens_seen,
             }
             self._metrics.clear()
+            total = sum(self._staleness_counts.values())
+            for staleness, count in sorted(self._staleness_counts.items()):
+                logs[f"async/staleness_hist/{staleness}"] = count / total
+            self._staleness_counts.clear()
             if self._last_rollout_table is not None and self.accelerator.is_main_process:
                 print_completions(self._last_rollout_table, self.args.num_completions_to_print)
         super().log(logs, start_time)
@@ -582,13 +725,12 @@ class GroupRelativeTrainer(Trainer):
                 f"{resume_from_checkpoint} is not a complete checkpoint (no readable "
                 "trainer_state.json: its writing was interrupted). Resume from an earlier one."
             )
-        self._resumed_from = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-    def _load_rng_state(self, checkpoint):
-        if checkpoint is not None and checkpoint == self._rng_restored_from:
-            return  # already restored before the first rollout of the resumed run
-        super()._load_rng_state(checkpoint)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            if self._pipeline is not None:
+                self._pipeline.close()
+                self._pipeline = None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""
