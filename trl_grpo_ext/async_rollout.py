@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,7 +115,11 @@ class ProcessRolloutWorker:
     """A rollout worker in a separate process, with its own copy of the model."""
 
     def __init__(self, model, tokenizer, generation_config, max_prompt_length, threads=1):
-        context = mp.get_context("spawn")
+        # fork needs no importable __main__ and shares the copied model without pickling; CUDA
+        # cannot cross a fork, so a process that initialised it spawns instead (which needs the
+        # usual `if __name__ == "__main__":` guard in the user's script).
+        use_fork = sys.platform == "linux" and not torch.cuda.is_initialized()
+        context = mp.get_context("fork" if use_fork else "spawn")
         self._requests, self._results = context.Queue(), context.Queue()
         worker_model = (
             copy.deepcopy(model).cpu() if model.device.type != "cpu" else copy.deepcopy(model)

@@ -224,6 +224,7 @@ class GroupRelativeTrainer(Trainer):
         self._lookahead: list = []
         self._lookahead_source = None
         self._staleness_counts: dict[int, int] = {}
+        self._threads_before_async: int | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
@@ -499,6 +500,11 @@ class GroupRelativeTrainer(Trainer):
                 threads=self.args.rollout_worker_threads,
             )
             self._pipeline = RolloutPipeline(worker, self.args.max_staleness)
+            if model.device.type == "cpu":
+                # Generation and training overlap only if they do not fight over the cores.
+                self._threads_before_async = torch.get_num_threads()
+                threads = self._threads_before_async - self.args.rollout_worker_threads
+                torch.set_num_threads(max(1, threads))
         return self._pipeline
 
     def _sample_informative(self, rows: list[dict], index: int):
@@ -731,6 +737,8 @@ class GroupRelativeTrainer(Trainer):
             if self._pipeline is not None:
                 self._pipeline.close()
                 self._pipeline = None
+                if self._threads_before_async:
+                    torch.set_num_threads(self._threads_before_async)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""

@@ -1,0 +1,253 @@
+"""Dynamic sampling and asynchronous rollouts: staleness bound, off-policy weights, learning."""
+
+import threading
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainer_helpers import logged, make_trainer, right_digit
+
+from trl_grpo_ext import GroupRelativeTrainer
+from trl_grpo_ext.async_rollout import GeneratedBatch, RolloutPipeline
+from trl_grpo_ext.off_policy import off_policy_weights
+
+# ----------------------------------------------------------------------------- off-policy weights
+
+
+def test_tis_truncates_at_c_and_ignores_padding():
+    behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.2], [0.4, 0.4, 0.9]]))
+    current = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.8, 0.1]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    weights, stats = off_policy_weights(current, behaviour, mask, correction="tis", clip=2.0)
+    # Ratios: 1, 5 (-> 2), padding, 0.5, 2, 1/9.
+    expected = torch.tensor([[1.0, 2.0, 1.0], [0.5, 2.0, 1 / 9]])
+    torch.testing.assert_close(weights * mask, expected * mask)
+    assert weights.max() <= 2.0
+    assert stats["off_policy/weight_max"] == pytest.approx(5.0)
+    assert stats["off_policy/clipped_fraction"] == pytest.approx(1 / 5)
+
+
+@given(st.lists(st.floats(-5, 5), min_size=4, max_size=4), st.floats(1.0, 4.0))
+def test_tis_never_exceeds_c(log_ratios, clip):
+    current = torch.tensor([log_ratios])
+    weights, _ = off_policy_weights(current, torch.zeros(1, 4), torch.ones(1, 4), clip=clip)
+    assert weights.max().item() <= clip + 1e-6
+
+
+def test_mis_zeroes_exactly_the_out_of_range_sequences():
+    behaviour = torch.zeros(4, 2)
+    # Sequence log-ratios: log 1, log 3, log 0.25, log 1.5 (second token is padding in row 3).
+    current = torch.log(torch.tensor([[1.0, 1.0], [1.5, 2.0], [0.5, 0.5], [1.5, 7.0]]))
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    weights, stats = off_policy_weights(
+        current, behaviour, mask, correction="mis", clip=2.0, min_weight=0.5
+    )
+    assert weights.shape == (4, 1)
+    torch.testing.assert_close(weights.flatten(), torch.tensor([1.0, 0.0, 0.0, 1.5]))
+    assert stats["off_policy/clipped_fraction"] == pytest.approx(0.5)
+
+
+def test_none_correction_gives_no_weights_but_still_stats():
+    weights, stats = off_policy_weights(
+        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), correction="none"
+    )
+    assert weights is None and stats["off_policy/weight_mean"] == 1
+
+
+# ----------------------------------------------------------------------------- staleness bound
+
+
+class ThreadWorker:
+    """A worker thread with random delays that handles messages in order, like the process."""
+
+    def __init__(self, delays):
+        self.messages, self.done, self.version = [], {}, 0
+        self.condition = threading.Condition()
+        self.delays = delays
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while True:
+            with self.condition:
+                while not self.messages:
+                    self.condition.wait()
+                message = self.messages.pop(0)
+            if message[0] == "stop":
+                return
+            if message[0] == "weights":
+                self.version = message[1]
+                continue
+            time.sleep(self.delays.pop(0) if self.delays else 0)
+            with self.condition:
+                self.done[message[1]] = self.version
+                self.condition.notify_all()
+
+    def _put(self, message):
+        with self.condition:
+            self.messages.append(message)
+            self.condition.notify_all()
+
+    def update_weights(self, version, weights):
+        self._put(("weights", version))
+
+    def submit(self, index, prompt_texts, seed):
+        self._put(("generate", index))
+
+    def result(self, index):
+        with self.condition:
+            while index not in self.done:
+                self.condition.wait()
+            version = self.done.pop(index)
+        empty = torch.zeros(1, 1)
+        return GeneratedBatch(index, version, empty, empty, empty, empty)
+
+    def close(self):
+        self._put(("stop",))
+        self.thread.join()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    max_staleness=st.integers(0, 3),
+    steps=st.integers(1, 12),
+    worker_delays=st.lists(st.sampled_from([0.0, 0.0005, 0.002]), min_size=12, max_size=12),
+    trainer_delays=st.lists(st.sampled_from([0.0, 0.0005, 0.002]), min_size=12, max_size=12),
+)
+def test_staleness_bound_holds_for_every_consumed_batch(
+    max_staleness, steps, worker_delays, trainer_delays
+):
+    pipeline = RolloutPipeline(ThreadWorker(list(worker_delays)), max_staleness)
+    try:
+        for step in range(steps):
+            upcoming = {i: ([f"prompt {i}"], i) for i in range(step, steps)}
+            batch, staleness = pipeline.consume(step, dict, upcoming)
+            assert batch.index == step
+            assert 0 <= step - batch.version == staleness <= max_staleness
+            time.sleep(trainer_delays[step])  # the optimizer step
+    finally:
+        pipeline.close()
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def run_trainer(tmp_path, **config):
+    trainer = make_trainer(tmp_path, max_steps=5, max_completion_length=4, **config)
+    trainer.train()
+    weights = {
+        n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad
+    }
+    return trainer, weights
+
+
+def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
+    sync, sync_weights = run_trainer(tmp_path / "sync")
+    worker, worker_weights = run_trainer(tmp_path / "k0", max_staleness=0)
+    assert logged(worker, "reward") == logged(sync, "reward")
+    assert logged(worker, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-7)
+    for name, value in sync_weights.items():
+        torch.testing.assert_close(worker_weights[name], value)
+    # No optimizer step between generation and training: the importance weights are 1.
+    assert logged(worker, "off_policy/weight_mean") == pytest.approx([1.0] * 5, abs=1e-5)
+    assert logged(worker, "off_policy/weight_max") == pytest.approx([1.0] * 5, abs=1e-5)
+    assert logged(worker, "async/staleness") == [0.0] * 5
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_async_runs_with_bounded_staleness_and_logs_it(tmp_path, max_staleness):
+    trainer, _ = run_trainer(tmp_path, max_staleness=max_staleness, dataset=big_dataset())
+    staleness = logged(trainer, "async/staleness")
+    assert max(staleness) == max_staleness and min(staleness) >= 0
+    hist = [key for entry in trainer.state.log_history for key in entry if "staleness_hist" in key]
+    assert hist
+    assert all(weight > 0 for weight in logged(trainer, "off_policy/weight_mean"))
+
+
+def big_dataset():
+    return Dataset.from_list(
+        [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
+    )
+
+
+LEARN = dict(
+    reward_funcs=right_digit,
+    num_generations=8,
+    per_device_train_batch_size=32,
+    max_completion_length=1,
+    max_steps=100,
+)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_async_learns_like_the_synchronous_run(tmp_path, max_staleness):
+    sync = make_trainer(tmp_path / "sync", **LEARN)
+    sync.train()
+    stale = make_trainer(tmp_path / "async", max_staleness=max_staleness, **LEARN)
+    stale.train()
+    sync_curve, async_curve = logged(sync, "reward"), logged(stale, "reward")
+    sync_final, async_final = sum(sync_curve[-10:]) / 10, sum(async_curve[-10:]) / 10
+    assert async_final >= sum(async_curve[:10]) / 10 + 0.15
+    assert async_final >= sync_final - 0.1, (sync_final, async_final)
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def decided_by_prompt(prompts, completions, **kwargs):
+    """Prompts starting with 0 or 1 are always right, 2 or 3 always wrong: no signal there.
+    Only prompts starting with 4 depend on the completion."""
+    scores = []
+    for prompt, completion in zip(prompts, completions):
+        first = int(prompt[0])
+        scores.append(1.0 if first < 2 else 0.0 if first < 4 else float(ord(completion[0]) % 2))
+    return scores
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path):
+    seen = []
+
+    class Recording(GroupRelativeTrainer):
+        def compute_advantages(self, rewards):
+            advantages = super().compute_advantages(rewards)
+            seen.append(rewards.view(-1, self.args.num_generations).std(dim=1))
+            return advantages
+
+    trainer = make_trainer(
+        tmp_path,
+        trainer_class=Recording,
+        reward_funcs=decided_by_prompt,
+        dataset=big_dataset(),
+        dynamic_sampling=True,
+        max_resample_rounds=20,
+        max_steps=4,
+    )
+    trainer.train()
+    assert len(seen) == 4
+    for group_std in seen:
+        assert (group_std > 0).all()  # every trained group has rewards that differ
+    assert 0 < logged(trainer, "dynamic_sampling/filtered_fraction")[0] < 1
+    assert logged(trainer, "dynamic_sampling/rounds")[0] >= 1
+
+
+def test_dynamic_sampling_terminates_when_no_group_has_signal(tmp_path):
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = make_trainer(
+        tmp_path, reward_funcs=constant, dynamic_sampling=True, max_resample_rounds=3, max_steps=2
+    )
+    trainer.train()
+    assert logged(trainer, "dynamic_sampling/rounds") == [3.0, 3.0]
+    assert logged(trainer, "dynamic_sampling/filtered_fraction") == [1.0, 1.0]
+    assert logged(trainer, "loss") == [0.0, 0.0]  # nothing to learn from, nothing trained
+
+
+def test_async_options_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="one generation batch per optimizer step"):
+        make_trainer(tmp_path, max_staleness=1, num_iterations=2)
+    with pytest.raises(ValueError, match="off_policy_correction"):
+        make_trainer(tmp_path, off_policy_correction="ppo")
