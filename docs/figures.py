@@ -139,12 +139,24 @@ def clipped_surrogate_figure(options) -> Path:
 # ----------------------------------------------------------- (3) a short real training run
 
 
-def reward_curve_figure(options) -> Path:
-    """Reward and accuracy of a real GRPO run: the tiny model, LoRA, the one-digit-sum task."""
+def _toy_run(steps: int, **config) -> list[dict]:
+    """Trains the tiny model with LoRA on the one-digit-sum task; returns the per-step logs, each
+    with `time`, the seconds since training started (measured at the end of the step)."""
+    import time
+
     from toy_task import closeness, digit_sum_dataset, exact, lora_config, tiny_policy
+    from transformers import TrainerCallback
 
     from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.times = time.perf_counter(), {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times[state.global_step] = time.perf_counter() - self.start
+
+    clock = Clock()
     model, tokenizer = tiny_policy()
     with tempfile.TemporaryDirectory() as output_dir:
         args = GroupRelativeConfig(
@@ -153,13 +165,14 @@ def reward_curve_figure(options) -> Path:
             max_completion_length=2,
             per_device_train_batch_size=64,  # 8 prompts x 8 completions per step
             learning_rate=1e-2,
-            max_steps=options.steps,
+            max_steps=steps,
             logging_steps=1,
             reward_weights=[1.0, 0.0],  # train on closeness; exact is only logged
             save_strategy="no",
             report_to="none",
             disable_tqdm=True,
             seed=0,
+            **config,
         )
         trainer = GroupRelativeTrainer(
             model=model,
@@ -168,9 +181,22 @@ def reward_curve_figure(options) -> Path:
             args=args,
             train_dataset=digit_sum_dataset(),
             peft_config=lora_config(),
+            callbacks=[clock],
         )
         trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]
+    return [{**log, "time": clock.times[log["step"]]} for log in logs]
+
+
+def _smooth(values: torch.Tensor, window: int = 5) -> tuple[int, torch.Tensor]:
+    """Trailing mean over `window` values; returns the number of leading values it skips."""
+    window = min(window, len(values))
+    return window - 1, values.unfold(0, window, 1).mean(dim=1)
+
+
+def reward_curve_figure(options) -> Path:
+    """Reward and accuracy of a real GRPO run: the tiny model, LoRA, the one-digit-sum task."""
+    logs = _toy_run(options.steps)
     steps = [log["step"] for log in logs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
     panels = (
@@ -182,9 +208,8 @@ def reward_curve_figure(options) -> Path:
     for ax, key, label, color in panels:
         values = torch.tensor([log[key] for log in logs])
         ax.plot(steps, values, color=color, alpha=0.3)
-        window = min(5, len(values))
-        smooth = values.unfold(0, window, 1).mean(dim=1)
-        ax.plot(steps[window - 1 :], smooth, color=color, label=f"{label}, 5-step mean")
+        skip, smooth = _smooth(values)
+        ax.plot(steps[skip:], smooth, color=color, label=f"{label}, 5-step mean")
     for ax in (left, right):
         ax.set_xlabel("optimizer step (8 prompts x 8 completions)")
         ax.legend(fontsize=8, loc="upper left")
@@ -231,22 +256,30 @@ def heldout_accuracy_figure(options) -> Path:
 
 
 def async_vs_sync_figure(options) -> Path:
-    """Reward against wall-clock time, synchronous vs asynchronous rollouts.
+    """The reward-curve run, synchronous and with asynchronous rollouts (max_staleness 1, 2).
 
-    Reads `<async_results>`: a JSON object mapping a run name ("sync", "k=1", ...) to a list of
-    `{"time": seconds, "reward": value}` points.
+    Reward against optimizer steps: what training on rollouts up to k steps old (with the
+    default off-policy correction) does to learning. Speed is not plotted: wall-clock on a
+    shared machine says little; `benchmarks/async.py` measures it under control.
     """
-    path = Path(options.async_results)
-    if not path.is_file():
-        raise MissingInput(f"{path} does not exist")
-    runs = json.loads(path.read_text())
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for name, points in runs.items():
-        ax.plot([p["time"] for p in points], [p["reward"] for p in points], label=name)
-    ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("reward")
-    ax.legend(fontsize=8)
-    ax.set_title("Synchronous vs asynchronous rollouts")
+    runs = {
+        "synchronous": {},
+        "async, max_staleness=1": {"max_staleness": 1},
+        "async, max_staleness=2": {"max_staleness": 2},
+    }
+    fig, ax = plt.subplots(figsize=(7, 3.8), layout="constrained")
+    for (name, config), color in zip(runs.items(), (GREY, BLUE, ORANGE)):
+        logs = _toy_run(options.steps, **config)
+        rewards = torch.tensor([log["rewards/closeness/mean"] for log in logs])
+        skip, smooth = _smooth(rewards)
+        ax.plot([log["step"] for log in logs][skip:], smooth, color=color, label=name)
+        staleness = sum(log.get("async/staleness", 0.0) for log in logs) / len(logs)
+        print(f"async_vs_sync: {name}: mean staleness {staleness:.2f}, final {smooth[-1]:.2f}")
+    ax.set_xlabel("optimizer step (8 prompts x 8 completions)")
+    ax.set_ylabel("reward (closeness), 5-step mean")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Synchronous vs asynchronous rollouts, same task and seed")
     return _save(fig, "async_vs_sync")
 
 
@@ -262,11 +295,8 @@ FIGURES: dict[str, Callable] = {
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help=f"any of {', '.join(FIGURES)}; default: all")
-    parser.add_argument("--steps", type=int, default=60, help="steps of the reward-curve run")
+    parser.add_argument("--steps", type=int, default=60, help="steps of each toy training run")
     parser.add_argument("--default-run", default="runs/tiny_cpu", help="folder of `make train`")
-    parser.add_argument(
-        "--async-results", default="benchmarks/results/async_vs_sync.json", help="async benchmark"
-    )
     options = parser.parse_args(argv)
     unknown = sorted(set(options.names) - set(FIGURES))
     if unknown:
