@@ -224,6 +224,46 @@ def reward_curve_figure(options) -> Path:
     return _save(fig, "reward_curve")
 
 
+def dynamic_sampling_figure(options) -> Path:
+    """The reward-curve run with and without dynamic sampling: how much of each trained batch
+    carries a gradient, how many sampled groups were dropped, how many extra rounds it took.
+
+    The logged reward is not compared: under dynamic sampling it is the reward of the groups
+    selected for training, not the policy's average, so the two would not measure the same.
+    """
+    plain = _toy_run(options.steps)
+    dynamic = _toy_run(options.steps, dynamic_sampling=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
+    for logs, name, color in ((plain, "plain", GREY), (dynamic, "dynamic_sampling=True", BLUE)):
+        left.plot(
+            [log["step"] for log in logs],
+            [1 - log["frac_reward_zero_std"] for log in logs],
+            color=color,
+            label=name,
+        )
+    steps = [log["step"] for log in dynamic]
+    right.plot(
+        steps,
+        [log["dynamic_sampling/filtered_fraction"] for log in dynamic],
+        color=GREY,
+        label="sampled groups dropped (zero variance)",
+    )
+    right.plot(
+        steps,
+        [log["dynamic_sampling/rounds"] / 4 for log in dynamic],
+        color=ORANGE,
+        label="extra sampling rounds / max_resample_rounds (4)",
+    )
+    for ax in (left, right):
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=8, loc="center right")
+    left.set_ylabel("fraction of the trained groups")
+    left.set_title("Groups in the trained batch that have a gradient")
+    right.set_title("What dynamic sampling did to get them")
+    return _save(fig, "dynamic_sampling")
+
+
 # ------------------------------------- figures from runs made elsewhere (added as they land)
 
 
@@ -289,6 +329,7 @@ FIGURES: dict[str, Callable] = {
     "reward_curve": reward_curve_figure,
     "heldout_accuracy": heldout_accuracy_figure,
     "async_vs_sync": async_vs_sync_figure,
+    "dynamic_sampling": dynamic_sampling_figure,
 }
 
 
