@@ -143,6 +143,11 @@ def generate_with_transformers(
     return prompt_ids, prompt_mask, output[:, prompt_length:]
 
 
+def _unwrapped_config(model):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     missing = width - tensor.shape[1]
     if missing == 0:
@@ -183,21 +188,100 @@ def completion_logprobs(
 ):
     """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
 
-    Only the last `T + 1` positions go through the output head (`logits_to_keep`).
+    Only the completion positions go through the output head (`logits_to_keep`). Consecutive
+    rows that share their prompt (the completions of one group) are packed into one sequence
+    that holds the prompt once (`_shared_prompt_logits`): the same numbers as running every row
+    in full, up to floating-point rounding, for (G - 1) / G less work on the prompt tokens.
     """
     completion_length = completion_ids.shape[1]
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        logits_to_keep=completion_length + 1,
-        use_cache=False,
-    ).logits  # (B, T + 1, V)
+    logits = _shared_prompt_logits(model, input_ids, attention_mask, completion_length)
+    if logits is None:
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=completion_length + 1,
+            use_cache=False,
+        ).logits[:, :-1]  # (B, T, V): position t predicts completion token t
     return token_logprobs(
-        logits[:, :-1],  # position t predicts completion token t
-        completion_ids,
-        temperature=temperature,
-        return_entropy=return_entropy,
+        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
     )
+
+
+def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int):
+    """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
+    once, in one forward pass; None when it does not apply (no two consecutive rows share a
+    prompt, groups of unequal size, or an attention implementation that ignores custom masks).
+
+    Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
+    but its last token, then for every completion a block of `T` tokens (the last prompt token
+    and the completion but its last token). A 4D mask lets each block attend to the prompt and
+    causally to itself only, and position ids restart at the prompt's end in every block, so
+    each block computes exactly what its full row would; gradients of all the blocks add up in
+    the one copy of the prompt. Right padding needs no mask (no real token attends to it).
+    """
+    rows, total_length = input_ids.shape
+    prompt_length = total_length - completion_length
+    if prompt_length < 2 or rows < 2 or completion_length < 1:
+        return None
+    implementation = getattr(_unwrapped_config(model), "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return None
+    prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
+    same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
+        prompt_mask[1:] == prompt_mask[:-1]
+    ).all(1)  # (B - 1,)
+    if not bool(same_as_previous.all()):
+        starts = torch.cat([same_as_previous.new_ones(1), ~same_as_previous]).nonzero()
+        sizes = torch.diff(torch.cat([starts.squeeze(1), starts.new_tensor([rows])]))
+        if len(sizes) == rows or not bool((sizes == sizes[0]).all()):
+            return None
+    group_size = rows if bool(same_as_previous.all()) else int(sizes[0])
+    num_prompts = rows // group_size
+    # Columns that are padding in every row carry nothing; drop them.
+    padded = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())
+    first_rows = torch.arange(0, rows, group_size, device=input_ids.device)  # (U,)
+    prefix_ids = prompt_ids[first_rows, padded:-1]  # (U, Q)
+    prefix_mask = prompt_mask[first_rows, padded:-1].bool()  # (U, Q)
+    prefix_length = prefix_ids.shape[1]
+    if prefix_length == 0:
+        return None
+    blocks = input_ids[:, prompt_length - 1 : -1]  # (B, T)
+    packed_ids = torch.cat(
+        [prefix_ids, blocks.reshape(num_prompts, group_size * completion_length)], 1
+    )  # (U, L) with L = Q + n * T
+    length = packed_ids.shape[1]
+    position = torch.arange(length, device=input_ids.device)  # (L,)
+    block = torch.where(
+        position < prefix_length, -1, (position - prefix_length) // completion_length
+    )  # (L,): -1 for the prompt, else the completion's index in its group
+    position_ids = torch.where(
+        position < prefix_length,
+        position,
+        prefix_length + (position - prefix_length) % completion_length,
+    )  # (L,)
+    allowed = (position[None, :] <= position[:, None]) & (
+        (block[None, :] == -1) | (block[None, :] == block[:, None])
+    )  # (L, L): causal, and a block sees the prompt and itself
+    key_is_real = torch.cat(
+        [prefix_mask, prefix_mask.new_ones(num_prompts, length - prefix_length)], 1
+    )  # (U, L)
+    allowed = (allowed.unsqueeze(0) & key_is_real.unsqueeze(1)) | torch.eye(
+        length, dtype=torch.bool, device=input_ids.device
+    )  # (U, L, L); a padding query sees itself, so no row is empty
+    if implementation == "sdpa":
+        mask = allowed  # boolean, True where attention is allowed
+    else:  # eager attention adds the mask to the scores
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    logits = model(
+        input_ids=packed_ids,
+        attention_mask=mask.unsqueeze(1),  # (U, 1, L, L)
+        position_ids=(position_ids + padded).expand(num_prompts, -1),
+        use_cache=False,
+        logits_to_keep=group_size * completion_length,
+    ).logits  # (U, n * T, V)
+    return logits.reshape(rows, completion_length, logits.shape[-1])  # (B, T, V)
 
 
 @contextlib.contextmanager
