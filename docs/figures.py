@@ -277,12 +277,14 @@ def _read_jsonl(path: Path) -> list[dict]:
 def heldout_accuracy_figure(options) -> Path:
     """Reward and held-out accuracy of the embedded default (`make train`), from its metrics.
 
-    Reads `<default_run>/metrics.jsonl`: one JSON object per line with `step` and any of
-    `reward` and keys containing `accuracy`.
+    Reads `<default_run>/metrics.jsonl`, which `make train` writes: one JSON object per line
+    with `step` and any of `reward` and keys containing `accuracy`. Run `make train` first.
     """
     records = _read_jsonl(Path(options.default_run) / "metrics.jsonl")
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    keys = sorted({key for record in records for key in record if "accuracy" in key})
+    keys = sorted(
+        {k for r in records for k in r if "accuracy" in k and not k.startswith("rewards/")}
+    )  # held-out accuracies (the recipe writes `heldout/accuracy`), not training rewards
     for key in ["reward", *keys]:
         points = [(r["step"], r[key]) for r in records if key in r and "step" in r]
         if points:

@@ -6,6 +6,7 @@ checks links and references; these tests need no docs tooling.
 """
 
 import importlib.util
+import json
 import re
 import runpy
 import sys
@@ -117,6 +118,19 @@ def test_figures_skip_missing_inputs(figures, tmp_path, capsys):
     assert figures.main(["heldout_accuracy", "--default-run", missing]) == 0
     assert "skipped heldout_accuracy" in capsys.readouterr().out
     assert not (tmp_path / "img").exists()
+
+
+def test_heldout_figure_reads_the_recipe_metrics(figures, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": 0, "heldout/accuracy": 0.25, "heldout/accuracy_strict": 0.2},
+        {"step": 1, "reward": 0.1, "rewards/math_accuracy/mean": 0.1},
+        {"step": 2, "reward": 0.4, "heldout/accuracy": 0.5, "heldout/accuracy_strict": 0.45},
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert figures.main(["heldout_accuracy", "--default-run", str(run)]) == 0
+    assert (tmp_path / "img" / "heldout_accuracy.png").is_file()
 
 
 def test_figures_reject_unknown_names(figures):
