@@ -89,7 +89,11 @@ def test_every_example_is_included_in_a_page():
 
 
 def test_nav_lists_existing_pages():
-    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    class Loader(yaml.SafeLoader):
+        """Reads MkDocs' own tags (`!relative`) as plain strings."""
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: loader.construct_scalar(node))
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)
     listed = [next(iter(entry.values())) for entry in config["nav"]]
     missing = [page for page in listed if not (DOCS / page).is_file()]
     assert not missing, f"mkdocs.yml lists pages that do not exist: {missing}"
