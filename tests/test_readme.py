@@ -9,7 +9,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_example_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert blocks, "the README has a Python example"
-    assert len(blocks[0].splitlines()) <= 20
+    assert len(blocks[0].splitlines()) <= 20  # short enough to read at a glance
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__readme__"}
     exec(compile(blocks[0], str(README), "exec"), namespace)

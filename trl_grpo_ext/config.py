@@ -246,8 +246,11 @@ class GroupRelativeConfig(TrainingArguments):
             fail(
                 f"epsilon={self.epsilon} and epsilon_high={self.epsilon_high} must both be positive."
             )
-        if self.delta is not None and self.delta <= 1:
-            fail(f"delta={self.delta} must be greater than 1 (it caps the ratio from above).")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
+            fail(
+                f"delta={self.delta} must be greater than 1 + epsilon_high = "
+                f"{1 + self.epsilon_high} (it caps the ratio above the clipping range)."
+            )
         if self.beta < 0:
             fail(f"beta={self.beta} must be >= 0 (0 disables the KL penalty).")
         if self.num_iterations < 1:

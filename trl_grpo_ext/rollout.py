@@ -23,9 +23,11 @@ class Rollout:
     Attributes:
         prompts (`list`): the prompt of each completion (string or message list), repeated per group.
         completions (`list`): decoded completions, strings or `[{"role": "assistant", ...}]`.
-        prompt_ids, prompt_mask (`torch.LongTensor` of shape `(N, P)`): left-padded prompts.
-        completion_ids, completion_mask (`torch.LongTensor` of shape `(N, T)`): right-padded
-            completions; the mask ends at the first eos, inclusive.
+        prompt_ids (`torch.LongTensor`): left-padded prompt tokens, shape `(N, P)`.
+        prompt_mask (`torch.LongTensor`): 1 on prompt tokens, shape `(N, P)`.
+        completion_ids (`torch.LongTensor`): right-padded completion tokens, shape `(N, T)`.
+        completion_mask (`torch.LongTensor`): 1 up to and including the first eos, shape
+            `(N, T)`.
         is_truncated (`torch.BoolTensor` of shape `(N,)`): completions that never emitted eos.
         columns (`dict[str, list]`): the other dataset columns, repeated per completion.
         group_size (`int`): completions per prompt.

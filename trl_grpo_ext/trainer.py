@@ -120,15 +120,20 @@ class GroupRelativeTrainer(Trainer):
             import paths (`"my_pkg.rewards:score"`).
         args ([`GroupRelativeConfig`], *optional*):
             Training configuration; defaults to `GroupRelativeConfig("<model name>-GRPO")`.
-        train_dataset, eval_dataset (`datasets.Dataset`, *optional*):
-            Datasets with a `prompt` column: a string (standard) or a list of messages
+        train_dataset (`datasets.Dataset`, *optional*):
+            Dataset with a `prompt` column: a string (standard) or a list of messages
             (conversational, rendered with the tokenizer's chat template). Other columns are
             passed to the reward functions, one entry per completion.
+        eval_dataset (`datasets.Dataset`, *optional*):
+            Prompts for `evaluate()`, in the same format.
         processing_class (`PreTrainedTokenizerBase`, *optional*):
             Tokenizer; loaded from the model's folder when omitted.
         peft_config (`peft.PeftConfig`, *optional*):
             Wraps the model with these adapters; only they are trained.
-        callbacks, optimizers: as in `transformers.Trainer`.
+        callbacks (`list[TrainerCallback]`, *optional*):
+            As in `transformers.Trainer`.
+        optimizers (`tuple`, *optional*, defaults to `(None, None)`):
+            As in `transformers.Trainer`: an optimizer and a learning-rate scheduler.
     """
 
     _tag_names = ["trl_grpo_ext", "grpo"]
@@ -285,6 +290,9 @@ class GroupRelativeTrainer(Trainer):
     def generate_rollouts(self, rows: list[dict]) -> Rollout:
         """Samples `num_generations` completions for each dataset row (one generation batch).
 
+        Called in the synchronous mode; with `max_staleness` set, the rollout worker samples
+        instead and an override of this method is not used.
+
         Args:
             rows (`list[dict]`): dataset rows, each with a `prompt`.
 
@@ -387,7 +395,7 @@ class GroupRelativeTrainer(Trainer):
         importance_weights, off_policy_stats = None, {}
         if "behaviour_logps" in batch:  # rollouts from the asynchronous worker
             importance_weights, off_policy_stats = off_policy_weights(
-                logps,
+                batch.get("old_logps", logps),  # pi_old / mu
                 batch["behaviour_logps"],
                 batch["completion_mask"],
                 correction=args.off_policy_correction,
