@@ -96,8 +96,12 @@ class MathScriptArguments:
         default=None,
         metadata={"help": "GGUF file in model_name_or_path, converted to safetensors first."},
     )
-    tiny_warmup_steps: int = field(
-        default=300, metadata={"help": "Supervised warm-up steps of the tiny model."}
+    tiny_warmup_target_accuracy: float = field(
+        default=0.3,
+        metadata={"help": "The tiny model's warm-up stops at this validation accuracy."},
+    )
+    tiny_warmup_max_steps: int = field(
+        default=600, metadata={"help": "Most supervised warm-up steps of the tiny model."}
     )
     tiny_hidden_size: int = field(default=64, metadata={"help": "Hidden size of the tiny model."})
     tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny model."})
@@ -118,7 +122,8 @@ def resolve_model_path(script_args, model_args, training_args) -> str:
             hidden_size=script_args.tiny_hidden_size,
             num_hidden_layers=script_args.tiny_num_hidden_layers,
             intermediate_size=4 * script_args.tiny_hidden_size,
-            steps=script_args.tiny_warmup_steps,
+            max_steps=script_args.tiny_warmup_max_steps,
+            target_accuracy=script_args.tiny_warmup_target_accuracy,
             difficulty=script_args.synthetic_difficulty,
             system_prompt=script_args.system_prompt,
             seed=training_args.seed,

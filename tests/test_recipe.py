@@ -109,7 +109,7 @@ TINY_OVERRIDES = [
     "--max_steps", "4",
     "--num_train_samples", "64",
     "--num_eval_samples", "20",
-    "--tiny_warmup_steps", "10",
+    "--tiny_warmup_max_steps", "10",
     "--per_device_train_batch_size", "16",
     "--logging_steps", "1",
     "--eval_every_steps", "2",
@@ -237,9 +237,10 @@ def test_warmup_is_reproducible_and_never_sees_held_out_problems(monkeypatch):
         return rows
 
     monkeypatch.setattr(data, "synthetic_rows", spy)
-    settings = TinyWarmup(steps=3, batch_size=8)
-    first, _ = train_tiny_warmup(settings)
-    second, _ = train_tiny_warmup(settings)
+    settings = TinyWarmup(max_steps=4, batch_size=8, min_steps=2, check_every=2, num_validation=8)
+    first, _, info = train_tiny_warmup(settings)
+    second, _, _ = train_tiny_warmup(settings)
+    assert info["steps_run"] == 4 and info["validation_accuracy"] == 0.0
     for a, b in zip(first.parameters(), second.parameters()):
         assert torch.equal(a, b)
     assert seen and not any(data.is_held_out(row["question"]) for row in seen)

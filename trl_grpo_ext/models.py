@@ -34,10 +34,14 @@ class TinyWarmup:
     num_key_value_heads: int = 2
     intermediate_size: int = 256
     initializer_range: float = 0.02
-    steps: int = 300
+    max_steps: int = 600
     batch_size: int = 64
     learning_rate: float = 3e-3
-    lr_schedule: str = "linear"  # "linear" (decay to 0 at the last step) or "constant"
+    # Stop as soon as greedy accuracy on validation problems (training split) reaches this.
+    target_accuracy: float = 0.3
+    check_every: int = 25
+    min_steps: int = 150
+    num_validation: int = 100
     difficulty: int = 2
     system_prompt: str = ""
     seed: int = 0
@@ -76,9 +80,19 @@ def _supervised_batch(tokenizer, rows, system_prompt):
 
 
 def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
-    """Builds the tiny model and trains it for `settings.steps` supervised steps on synthetic
-    training problems (never held-out ones). Returns `(model, tokenizer)`."""
+    """Builds the tiny model and trains it on synthetic training problems (never held-out ones)
+    until its greedy accuracy on `num_validation` other training problems reaches
+    `target_accuracy`, checked every `check_every` steps from `min_steps` on, or `max_steps`.
+
+    Stopping on a skill level rather than after a fixed number of steps matters: this model
+    learns two-digit addition in a sudden jump (from about 10% to 45% within 50 steps), and
+    where the jump happens varies with the seed and with the CPU's floating-point rounding.
+
+    Returns:
+        `(model, tokenizer, info)`; `info` has the steps run and the validation accuracy.
+    """
     from .data import synthetic_rows
+    from .evaluation import generate
     from .tiny import tiny_model_and_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer(
@@ -90,26 +104,46 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
         intermediate_size=settings.intermediate_size,
         initializer_range=settings.initializer_range,
     )
-    # Its own seed stream, so the warm-up data differs from the GRPO prompts of the same seed.
+    # Own seed streams, so the warm-up data differs from the GRPO prompts of the same seed.
     rows = synthetic_rows(
-        settings.steps * settings.batch_size,
+        settings.max_steps * settings.batch_size,
         split="train",
         difficulty=settings.difficulty,
         seed=settings.seed + 1000,
         unique=False,
     )
     random.Random(settings.seed).shuffle(rows)
+    validation = synthetic_rows(
+        settings.num_validation,
+        split="train",
+        difficulty=settings.difficulty,
+        seed=settings.seed + 2000,
+    )
+    from .data import make_prompt
+
+    validation_prompts = [
+        make_prompt(row["question"], settings.system_prompt) for row in validation
+    ]
+    targets = [f"\\boxed{{{row['answer']}}}" for row in validation]
+
+    def validation_accuracy():
+        texts, _, _ = generate(model, tokenizer, validation_prompts, max_new_tokens=12)
+        return sum(group[0].strip() == target for group, target in zip(texts, targets)) / len(
+            targets
+        )
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: min(1.0, (step + 1) / 20),  # short linear warm-up, then constant
+        lambda step: min(1.0, (step + 1) / 20),  # 20 steps of linear warm-up
     )
     model.train()
     started = time.time()
+    accuracy, steps_run = 0.0, 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        for step in range(settings.steps):
-            batch = rows[step * settings.batch_size : (step + 1) * settings.batch_size]
+        for step in range(1, settings.max_steps + 1):
+            batch = rows[(step - 1) * settings.batch_size : step * settings.batch_size]
             input_ids, attention_mask, labels = _supervised_batch(
                 tokenizer, batch, settings.system_prompt
             )
@@ -119,14 +153,19 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            if log_every and (step + 1) % log_every == 0:
-                print(
-                    f"warm-up step {step + 1}/{settings.steps}: loss {loss.item():.3f} "
-                    f"({time.time() - started:.0f} s)",
-                    flush=True,
-                )
+            steps_run = step
+            if step >= settings.min_steps and step % settings.check_every == 0:
+                accuracy = validation_accuracy()
+                if log_every:
+                    print(
+                        f"warm-up step {step}: loss {loss.item():.3f}, validation accuracy "
+                        f"{accuracy:.0%} ({time.time() - started:.0f} s)",
+                        flush=True,
+                    )
+                if accuracy >= settings.target_accuracy:
+                    break
     model.eval()
-    return model, tokenizer
+    return model, tokenizer, {"steps_run": steps_run, "validation_accuracy": accuracy}
 
 
 def warm_tiny_model(
@@ -146,17 +185,18 @@ def warm_tiny_model(
         print(f"Loading the warmed-up tiny model from {folder}", flush=True)
         return folder
     print(
-        f"Warming up the tiny model ({settings.steps} supervised steps on synthetic arithmetic); "
-        f"cached in {folder}",
+        f"Warming up the tiny model (supervised, on synthetic arithmetic, until "
+        f"{settings.target_accuracy:.0%} validation accuracy); cached in {folder}",
         flush=True,
     )
     started = time.time()
-    model, tokenizer = train_tiny_warmup(settings, log_every=log_every)
+    model, tokenizer, info = train_tiny_warmup(settings, log_every=log_every)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with open(marker, "w") as handle:
-        json.dump({**asdict(settings), "seconds": round(time.time() - started, 1)}, handle)
+        record = {**asdict(settings), **info, "seconds": round(time.time() - started, 1)}
+        json.dump(record, handle, indent=1)
     return folder
 
 
@@ -199,6 +239,9 @@ def gguf_to_folder(gguf_path: str, output_dir: str, dtype: torch.dtype = torch.f
     for config in (model.config, getattr(model, "generation_config", None)):
         if config is not None and hasattr(config, "quantization_config"):
             delattr(config, "quantization_config")
+    model.hf_quantizer = None  # else save_pretrained refuses: "gguf is not serializable"
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
     model.config._name_or_path = output_dir
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
