@@ -225,7 +225,7 @@ def _make_timer(device: str):
         """Seconds between optimizer steps, and each step's logged length and reward."""
 
         def __init__(self):
-            self.seconds, self.logs = [], []
+            self.seconds, self.cpu_seconds, self.logs = [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             if device == "cuda":
@@ -233,13 +233,14 @@ def _make_timer(device: str):
             else:
                 _reset_peak_rss()
             sync()
-            self.last = time.perf_counter()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             sync()
-            now = time.perf_counter()
+            now, now_cpu = time.perf_counter(), time.process_time()
             self.seconds.append(now - self.last)
-            self.last = now
+            self.cpu_seconds.append(now_cpu - self.last_cpu)
+            self.last, self.last_cpu = now, now_cpu
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -336,6 +337,7 @@ def run_worker(spec: dict) -> dict:
     return {
         "trainer": spec["trainer"],
         "seconds": timer.seconds,
+        "cpu_seconds": timer.cpu_seconds,
         "tokens": [log["mean_length"] * completions for log in timer.logs],
         "rewards": [log["reward"] for log in timer.logs],
         "peak_bytes": peak,
@@ -368,8 +370,11 @@ def run_subprocess(spec: dict, timeout: float | None = None) -> dict:
     return json.loads(result_path.read_text())
 
 
-def run_alternating(spec: dict, rounds: int, log=print) -> dict[str, list[dict]]:
-    """Runs ours and TRL in turn, `rounds` times each (A B A B), in separate processes."""
+def run_alternating(
+    spec: dict, rounds: int, log=print, in_process: bool = False
+) -> dict[str, list[dict]]:
+    """Runs ours and TRL in turn, `rounds` times each (A B A B), each in a fresh process (or, for
+    a quick smoke test, `in_process`, where the peak memory is no longer per trainer)."""
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
     for round_index in range(rounds):
         for trainer in ("ours", "trl"):
@@ -379,7 +384,7 @@ def run_alternating(spec: dict, rounds: int, log=print) -> dict[str, list[dict]]
                 "output_dir": str(Path(spec["output_dir"]) / f"{trainer}-{round_index}"),
             }
             started = time.perf_counter()
-            result = run_subprocess(run_spec)
+            result = run_worker(run_spec) if in_process else run_subprocess(run_spec)
             measured = result["seconds"][result["warmup_steps"] :]
             log(
                 f"  round {round_index + 1}/{rounds} {trainer:>4}: "
@@ -397,10 +402,11 @@ def run_alternating(spec: dict, rounds: int, log=print) -> dict[str, list[dict]]
 def summarise(runs: list[dict]) -> dict:
     """Median s/step, tokens/s, s per 1k tokens over the measured steps of all runs; the peak
     memory over runs; the last step's reward (mean over runs) and the mean over measured steps."""
-    seconds, tokens, rewards = [], [], []
+    seconds, cpu_seconds, tokens, rewards = [], [], [], []
     for run in runs:
         skip = run["warmup_steps"]
         seconds += run["seconds"][skip:]
+        cpu_seconds += run.get("cpu_seconds", run["seconds"])[skip:]
         tokens += run["tokens"][skip:]
         rewards += run["rewards"][skip:]
     total_seconds, total_tokens = sum(seconds), sum(tokens)
@@ -408,6 +414,8 @@ def summarise(runs: list[dict]) -> dict:
         "s_per_step": statistics.median(seconds),
         "tokens_per_s": total_tokens / total_seconds,
         "s_per_1k_tokens": 1000 * total_seconds / total_tokens,
+        "cpu_s_per_step": statistics.median(cpu_seconds),
+        "cpu_s_per_1k_tokens": 1000 * sum(cpu_seconds) / total_tokens,
         "peak_mib": max(run["peak_bytes"] for run in runs) / 2**20,
         "reward_last": statistics.mean(run["rewards"][-1] for run in runs),
         "reward_mean": statistics.mean(rewards),
@@ -420,6 +428,8 @@ ROWS = [
     ("median s/step", "s_per_step", "{:.2f}"),
     ("generated tokens/s", "tokens_per_s", "{:.1f}"),
     ("s per 1,000 generated tokens", "s_per_1k_tokens", "{:.2f}"),
+    ("CPU time s/step (median, all threads)", "cpu_s_per_step", "{:.2f}"),
+    ("CPU time s per 1,000 generated tokens", "cpu_s_per_1k_tokens", "{:.2f}"),
     ("generated tokens/step (mean)", "tokens_per_step", "{:.0f}"),
     ("peak memory (MiB)", "peak_mib", "{:.0f}"),
     ("reward, last step", "reward_last", "{:.3f}"),

@@ -39,7 +39,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per trainer (0: torch default)"
+    )
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--json", default=None, help="also write the raw records here")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ mask covers each completion up to and including its first end-of-sequence token.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -119,10 +120,12 @@ def generate_with_transformers(
     generation_config: GenerationConfig,
     max_prompt_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Samples a group of completions per prompt in one batched `generate` call.
+    """Samples a group of completions per prompt with batched `generate` calls.
 
-    Each prompt is tokenised once; `generation_config.num_return_sequences` (the group size)
-    expands it into its group inside `generate`.
+    Each prompt is tokenised and run through the model once (`_generate_groups`): its first
+    token is sampled G times from that one pass, and the rest of the group continues from the
+    prompt's cache repeated G times. The number of forward passes is that of one `generate`
+    call that expands each prompt into its group first, which encodes every prompt G times.
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)`.
@@ -137,12 +140,87 @@ def generate_with_transformers(
     if max_prompt_length is not None:
         # Left padding, so keeping the last tokens truncates long prompts from the left.
         encoded = {key: value[:, -max_prompt_length:] for key, value in encoded.items()}
-    group_size = generation_config.num_return_sequences
-    output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
+    group_size = generation_config.num_return_sequences or 1
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
-    return prompt_ids, prompt_mask, output[:, prompt_length:]
+    completion_ids = None
+    if group_size > 1 and generation_config.do_sample:
+        completion_ids = _generate_groups(
+            model, encoded, prompt_ids, prompt_mask, generation_config
+        )
+    if completion_ids is None:
+        output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
+        completion_ids = output[:, prompt_length:]
+    return prompt_ids, prompt_mask, completion_ids
+
+
+def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config):
+    """Completions `(B*G, T)` with each prompt encoded once, or None where the model's
+    `generate` does not return a reusable cache.
+
+    1. `generate` one token for the B prompts, keeping the processed scores (temperature,
+       top-k/p, ... applied) and the prompts' cache: one forward pass of B rows.
+    2. Sample G first tokens per prompt from those scores (as `generate` samples).
+    3. Repeat the cache G times and let `generate` continue the B*G rows for T - 1 tokens.
+    A row whose first token ends it continues in step 3 like the others; the completion mask
+    ends it at that token.
+    """
+    group_size = generation_config.num_return_sequences
+    if not generation_config.max_new_tokens:
+        return None
+    first_config = copy.deepcopy(generation_config)
+    first_config.num_return_sequences = 1
+    first_config.max_new_tokens = 1
+    first_config.min_new_tokens = None
+    first_config.output_scores = True
+    first_config.return_dict_in_generate = True
+    first = model.generate(**encoded, generation_config=first_config)
+    cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave") or first.scores is None:
+        return None
+    # Step 1 used the prompts only; min_new_tokens (no eos before it) still holds for step 2.
+    scores = first.scores[0].float()  # (B, V), processed
+    if generation_config.min_new_tokens:
+        scores[:, _as_list(generation_config.eos_token_id)] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)  # (B, V)
+    first_tokens = torch.multinomial(probs, group_size, replacement=True)  # (B, G)
+    first_tokens = first_tokens.reshape(-1, 1)  # (B*G, 1)
+    remaining = generation_config.max_new_tokens - 1
+    if remaining < 1:
+        return first_tokens
+    cache.batch_repeat_interleave(group_size)  # (B*G, heads, P, head_dim) per layer
+    rest_config = copy.deepcopy(generation_config)
+    rest_config.num_return_sequences = 1
+    rest_config.max_new_tokens = remaining
+    if generation_config.min_new_tokens:
+        rest_config.min_new_tokens = max(generation_config.min_new_tokens - 1, 0)
+    input_ids = torch.cat([prompt_ids, first_tokens], dim=1)  # (B*G, P + 1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(first_tokens)], dim=1)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=rest_config,
+        **{_cache_kwarg(model): cache},
+    )  # (B*G, P + 1 + T - 1)
+    return output[:, prompt_ids.shape[1] :]
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _cache_kwarg(model) -> str:
+    """`cache` where the model's forward takes it (recent transformers), else `past_key_values`."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    for module in model.modules():  # through DDP / PEFT wrappers to the transformers model
+        if isinstance(module, PreTrainedModel):
+            parameters = inspect.signature(module.forward).parameters
+            return "cache" if "cache" in parameters else "past_key_values"
+    return "past_key_values"
 
 
 def _unwrapped_config(model):

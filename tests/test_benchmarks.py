@@ -1,0 +1,67 @@
+"""The benchmark scripts against trl.GRPOTrainer run end to end on a tiny shape, on CPU."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY_RUN = ["--rounds", "1", "--steps", "1", "--num-prompts", "2", "--num-generations", "4"]
+TINY_RUN += ["--max-completion-length", "4", "--micro-batch", "4"]
+
+
+def load(name):
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def check_runs(runs, completions_per_step, max_length):
+    for trainer in ("ours", "trl"):
+        (run,) = runs[trainer]
+        assert len(run["seconds"]) == len(run["tokens"]) == len(run["rewards"]) == 2
+        assert all(seconds > 0 for seconds in run["seconds"])
+        # the same count for both: completion tokens up to and including the first eos
+        assert all(0 < tokens <= completions_per_step * max_length for tokens in run["tokens"])
+        assert run["peak_bytes"] > 0
+
+
+def test_vs_trl_on_the_tiny_model_in_subprocesses(tmp_path, capsys):
+    report = load("vs_trl").main(["--models", "tiny", *TINY_RUN, "--output-dir", str(tmp_path)])
+    check_runs(report["models"]["tiny"], completions_per_step=8, max_length=4)
+    table = capsys.readouterr().out
+    for row in ("median s/step", "generated tokens/s", "s per 1,000 generated tokens", "peak RSS"):
+        assert f"| {row}" in table
+
+
+def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
+    gpu = load("gpu")
+    report = gpu.main(
+        ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--in-process", *TINY_RUN]
+        + ["--output-dir", str(tmp_path), "--json", str(tmp_path / "gpu.json")]
+    )
+    check_runs(report["results"], completions_per_step=8, max_length=4)
+    assert "| reward, last step |" in capsys.readouterr().out
+    assert (tmp_path / "gpu.json").exists()
+
+
+def test_shape_argument():
+    gpu = load("gpu")
+    assert gpu.parse_shape("qwen2.5-0.5b")["vocab"] == 151936
+    assert gpu.parse_shape("layers=2,hidden=64")["layers"] == 2
+    with pytest.raises(SystemExit):
+        gpu.parse_shape("depth=3")
+
+
+def test_table_ratios():
+    common = load("_common")
+    run = {"seconds": [9.0, 2.0, 4.0], "tokens": [100, 100, 300], "rewards": [0, 0.5, 1.0]}
+    ours = [{**run, "peak_bytes": 2**20, "warmup_steps": 1}]
+    trl = [{**run, "seconds": [9.0, 4.0, 8.0], "peak_bytes": 2**21, "warmup_steps": 1}]
+    summary = common.summarise(ours)
+    assert summary["s_per_step"] == 3.0  # the warm-up step is left out
+    assert summary["s_per_1k_tokens"] == pytest.approx(1000 * 6 / 400)
+    table = common.table("m", {"ours": ours, "trl": trl})
+    assert "| s per 1,000 generated tokens | 15.00 | 30.00 | 0.50 |" in table
+    assert "| peak RSS (MiB) | 1 | 2 | 0.50 |" in table
