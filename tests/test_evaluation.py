@@ -47,6 +47,11 @@ def test_strict_needs_the_boxed_format_lenient_only_the_answer():
     # With the <think> format reward, strict also needs the reasoning block.
     strict, _ = score_completions(completions, ["5"] * 4, format_reward=get_reward("format"))
     assert strict == [0.0, 0.0, 0.0, 1.0]
+    # A completion cut at the token cap did not finish: right, but not strict.
+    strict, lenient = score_completions(
+        completions, ["5"] * 4, truncated=[True, False, False, False]
+    )
+    assert strict == [0.0, 0.0, 0.0, 1.0] and lenient[0] == 1.0
 
 
 def test_report_from_scripted_completions(monkeypatch, tiny_tokenizer):

@@ -9,8 +9,8 @@ Two accuracies per completion:
 - **lenient** (the answer is right): `math_accuracy` on the completion; its final answer is the
   last `\boxed{}`, else what follows `####`, else the last number or expression at the end;
 - **strict** (the format is followed too): lenient, and the final answer is in a `\boxed{}` after
-  the reasoning, and, when a format reward is given (e.g. the `<think>` format of the training
-  run), that reward is 1.
+  the reasoning, and the completion ended (end-of-sequence) within the token cap, and, when a
+  format reward is given (e.g. the `<think>` format of the training run), that reward is 1.
 
 pass@k uses the unbiased estimator of Chen et al. (2021), `1 - C(n - c, k) / C(n, k)` for `n`
 samples of which `c` are right, averaged over problems.
@@ -82,12 +82,16 @@ def score_completions(
     completions: list[str],
     answers: list[str],
     format_reward: Callable | None = None,
+    truncated: list[bool] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """`(strict, lenient)` scores, 0.0 or 1.0, one per completion."""
+    """`(strict, lenient)` scores, 0.0 or 1.0, one per completion; `truncated` marks completions
+    cut at the token cap (never strict)."""
     lenient = [
         float(score or 0.0) for score in math_accuracy(completions=completions, answer=answers)
     ]
     formatted = [has_boxed_final_answer(text) for text in completions]
+    if truncated is not None:
+        formatted = [ok and not cut for ok, cut in zip(formatted, truncated)]
     if format_reward is not None:
         format_scores = format_reward(completions=completions, answer=answers)
         formatted = [ok and (score or 0.0) >= 1.0 for ok, score in zip(formatted, format_scores)]
@@ -191,7 +195,9 @@ def problem_scores(
             model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
         )
         completions = [group[0] for group in outputs]
-        strict, lenient = score_completions(completions, answers, format_reward)
+        strict, lenient = score_completions(
+            completions, answers, format_reward, [group[0] for group in cut]
+        )
         for i, record in enumerate(records):
             record.update(completion=completions[i], strict=strict[i], lenient=lenient[i])
             record["tokens"] += counts[i]
@@ -209,7 +215,10 @@ def problem_scores(
         )
         flat = [text for group in outputs for text in group]
         strict, lenient = score_completions(
-            flat, [a for a in answers for _ in range(num_samples)], format_reward
+            flat,
+            [a for a in answers for _ in range(num_samples)],
+            format_reward,
+            [flag for group in cut for flag in group],
         )
         for i, record in enumerate(records):
             group = slice(i * num_samples, (i + 1) * num_samples)
@@ -460,7 +469,11 @@ def before_after_table(before: EvalReport, after: EvalReport) -> str:
 
     rows = [
         ("greedy pass@1, answer right (lenient)", before.greedy_lenient, after.greedy_lenient),
-        ("greedy pass@1, boxed format too (strict)", before.greedy_strict, after.greedy_strict),
+        (
+            "greedy pass@1, boxed and finished too (strict)",
+            before.greedy_strict,
+            after.greedy_strict,
+        ),
     ]
     for name in after.pass_at_k:
         label = f"sampled {name} (n={after.num_samples}, T={after.temperature}), lenient"
@@ -473,6 +486,11 @@ def before_after_table(before: EvalReport, after: EvalReport) -> str:
         lines.append(
             f"| mean completion tokens | {before.mean_completion_tokens:.1f} | "
             f"{after.mean_completion_tokens:.1f} |"
+        )
+    if before.truncated_fraction is not None and after.truncated_fraction is not None:
+        lines.append(
+            f"| cut at the token cap | {percent(before.truncated_fraction)} | "
+            f"{percent(after.truncated_fraction)} |"
         )
     return "\n".join(lines)
 
