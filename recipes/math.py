@@ -28,7 +28,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
-from trl_grpo_ext.data import SYSTEM_PROMPT, check_chat_template, load_math_dataset
+from trl_grpo_ext.data import (
+    SYSTEM_PROMPT,
+    check_chat_template,
+    dataset_hub_id,
+    load_math_dataset,
+)
 from trl_grpo_ext.evaluation import (
     MetricsJsonlCallback,
     PeriodicEvalCallback,
@@ -245,15 +250,18 @@ def main(script_args, training_args, model_args):
             metrics_path, os.path.join(training_args.output_dir, "reward_curve.png")
         )
         sections["Training curve"] = "![reward and held-out accuracy](reward_curve.png)"
+    train_name, test_name = (
+        dataset_hub_id(name) or name for name in (script_args.dataset_name, eval_name)
+    )
     sections["Base model and data"] = (
-        f"Base model `{model_args.model_name_or_path}`; trained on `{script_args.dataset_name}` "
+        f"Base model `{model_args.model_name_or_path}`; trained on `{train_name}` "
         f"({len(train_dataset)} problems), evaluated on {after.num_problems} held-out problems "
-        f"of `{eval_name}`."
+        f"of `{test_name}`."
     )
     trainer.model_card_sections.update(sections)
     trainer.save_model(training_args.output_dir)
-    datasets = [name for name in {script_args.dataset_name, eval_name} if "/" in name]
-    trainer.create_model_card(dataset_name=datasets or None)
+    hub_datasets = {dataset_hub_id(script_args.dataset_name), dataset_hub_id(eval_name)} - {None}
+    trainer.create_model_card(dataset_name=sorted(hub_datasets) or None)
 
     # Push the adapter, tokenizer and card (token: --hub_token, else the saved login / HF_TOKEN).
     if push_to_hub:

@@ -139,3 +139,13 @@ def test_chat_template_check(tiny_tokenizer):
             )
 
     check_chat_template(ClosedThink())
+
+
+def test_hub_ids_for_the_model_card(tmp_path):
+    from trl_grpo_ext.data import dataset_hub_id
+
+    assert dataset_hub_id("gsm8k") == "openai/gsm8k"
+    assert dataset_hub_id("math500") == "HuggingFaceH4/MATH-500"
+    assert dataset_hub_id("someone/data") == "someone/data"
+    assert dataset_hub_id("synthetic") is None
+    assert dataset_hub_id(str(tmp_path / "x.jsonl")) is None

@@ -294,6 +294,16 @@ def load_math_dataset(
     return to_prompt_dataset(dataset, question_column, answer_column, system_prompt)
 
 
+def dataset_hub_id(name: str) -> str | None:
+    """The Hub id behind a dataset name ("gsm8k" -> "openai/gsm8k"), None for "synthetic" and
+    local files: what a model card lists under `datasets`."""
+    if name in HUB_DATASETS:
+        return HUB_DATASETS[name][0]
+    if name == "synthetic" or os.path.splitext(name)[1].lower() in LOCAL_FORMATS:
+        return None
+    return name if "/" in name else None
+
+
 def _first_present(columns: list[str], preferred: str, fallbacks: tuple[str, ...]) -> str:
     for column in (preferred, *fallbacks):
         if column in columns:
