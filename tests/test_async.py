@@ -203,7 +203,8 @@ def decided_by_prompt(prompts, completions, **kwargs):
     scores = []
     for prompt, completion in zip(prompts, completions):
         first = int(prompt[0])
-        scores.append(1.0 if first < 2 else 0.0 if first < 4 else float(ord(completion[0]) % 2))
+        varied = float(ord(completion[0]) % 2) if completion else 0.0
+        scores.append(1.0 if first < 2 else 0.0 if first < 4 else varied)
     return scores
 
 
