@@ -352,3 +352,48 @@ def test_metrics_use_trl_names(tmp_path, capsys):
     assert entry["num_tokens"] > 0 and 0 <= entry["completions/clipped_ratio"] <= 1
     printed = capsys.readouterr().out
     assert "prompt" in printed and "completion" in printed and "odd_first_byte" in printed
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_reward_names_and_import_paths_resolve_through_the_registry(tmp_path):
+    trainer = make_trainer(tmp_path, reward_funcs=["length", "trainer_helpers:odd_first_byte"])
+    assert trainer.reward_names == ["length", "odd_first_byte"]
+    rollout = trainer.generate_rollouts([{"prompt": "1+1=", "answer": "2"}])
+    assert trainer.score_rollouts(rollout).shape == (4, 2)
+
+
+def test_a_ready_peft_model_trains_its_adapters(tmp_path):
+    from peft import get_peft_model
+    from trainer_helpers import lora_config
+
+    model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    peft_model = get_peft_model(model, lora_config())
+    trainer = make_trainer(tmp_path, model=peft_model, tokenizer=tokenizer, peft=False)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    trainer.train()
+    with pytest.raises(ValueError, match="already a PeftModel"):
+        GroupRelativeTrainer(
+            model=peft_model, reward_funcs=right_digit, args=trainer.args,
+            train_dataset=digit_sums(), processing_class=tokenizer, peft_config=lora_config(),
+        )  # fmt: skip
+
+
+def test_steps_per_generation_buffers_one_generation_batch_across_steps(tmp_path):
+    trainer = make_trainer(tmp_path, steps_per_generation=2, max_steps=4, max_completion_length=1)
+    calls = []
+    original = trainer.generate_rollouts
+
+    def counting(rows):
+        calls.append(len(rows))
+        return original(rows)
+
+    trainer.generate_rollouts = counting
+    trainer.train()
+    # 2 generation batches of 16 completions (4 prompts), each serving 2 optimizer steps.
+    assert calls == [4, 4]
+    # The second step of a generation batch is off-policy by one update: ratios move from 1.
+    ratios = logged(trainer, "ratio_mean")
+    assert ratios[0] == pytest.approx(1.0, abs=1e-6) and ratios[1] != pytest.approx(1.0, abs=1e-6)
