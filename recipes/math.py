@@ -261,11 +261,17 @@ def main(script_args, training_args, model_args):
     trainer.model_card_sections.update(sections)
     trainer.save_model(training_args.output_dir)
     hub_datasets = {dataset_hub_id(script_args.dataset_name), dataset_hub_id(eval_name)} - {None}
-    trainer.create_model_card(dataset_name=sorted(hub_datasets) or None)
+    trainer.model_card_datasets = sorted(hub_datasets)
+    trainer.create_model_card()
 
-    # Push the adapter, tokenizer and card (token: --hub_token, else the saved login / HF_TOKEN).
+    # Push the adapter, tokenizer, card and curve (token: --hub_token, else the saved login).
     if push_to_hub:
-        trainer.push_to_hub(commit_message="GRPO math recipe", token=hub_token)
+        curve = os.path.join(training_args.output_dir, "reward_curve.png")
+        trainer.push_to_hub(
+            commit_message="GRPO math recipe",
+            token=hub_token,
+            extra_files=[curve] if os.path.exists(curve) else None,
+        )
     print(table, flush=True)
     print(
         f"held-out accuracy: {before.greedy_lenient:.1%} -> {after.greedy_lenient:.1%}", flush=True

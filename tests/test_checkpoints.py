@@ -133,3 +133,29 @@ def test_push_to_hub_uploads_exactly_adapter_tokenizer_and_card(tmp_path, monkey
     assert "## Before and after" in calls["card"]
     metadata = yaml.safe_load(calls["card"].split("---")[1])
     assert metadata["library_name"] == "peft" and "grpo" in metadata["tags"]
+
+
+def test_checkpoints_are_not_pushed_and_the_token_is_not_saved(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    uploads = []
+    from huggingface_hub import RepoUrl
+
+    def create_repo(self, repo_id=None, *args, **kwargs):
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kwargs: uploads.append(kwargs))
+    trainer = make_trainer(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=1, push_to_hub=True,
+        hub_model_id="someone/tiny", hub_token="hf_secret_value",
+    )  # fmt: skip
+    trainer.train()
+    assert uploads == []  # the base Trainer would push every checkpoint
+    for folder, _, names in os.walk(tmp_path):
+        for name in names:
+            assert b"hf_secret_value" not in open(os.path.join(folder, name), "rb").read(), name
+    trainer.model_card_datasets = ["openai/gsm8k"]
+    trainer.push_to_hub()
+    (pushed,) = uploads
+    assert pushed["repo_id"] == "someone/tiny"

@@ -209,6 +209,7 @@ def test_push_sends_adapter_tokenizer_and_card_only(pushed_run):
     assert {"tokenizer.json", "tokenizer_config.json", "reward_curve.png"} <= set(files)
     assert not any(name.endswith(".bin") or name.startswith("checkpoint") for name in files)
     assert "model.safetensors" not in files  # adapter only, not the base weights
+    assert not {"metrics.jsonl", "before_after.md"} & set(files)  # run outputs stay local
     card = files["README.md"].decode()
     assert "math_accuracy" in card and "Base model `tiny`" in card
     assert "| greedy pass@1, answer right (lenient) |" in card

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import shutil
+import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -233,6 +235,7 @@ class GroupRelativeTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
+        self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
 
     # ------------------------------------------------------------------ data
 
@@ -776,7 +779,9 @@ class GroupRelativeTrainer(Trainer):
             model_name=model_name
             or self.args.hub_model_id
             or os.path.basename(self.args.output_dir),
-            datasets=[dataset_name] if isinstance(dataset_name, str) else dataset_name,
+            datasets=[dataset_name]
+            if isinstance(dataset_name, str)
+            else dataset_name or self.model_card_datasets,
             extra_sections=self.model_card_sections,
             tags=tags,
         )
@@ -788,25 +793,48 @@ class GroupRelativeTrainer(Trainer):
         blocking=True,
         token=None,
         revision=None,
+        extra_files: list[str] | None = None,
         **_,
     ):
-        """Uploads the adapter (or model), tokenizer and model card, nothing else.
+        """Uploads the adapter (or model), tokenizer and model card, and nothing else.
 
-        The repository is `args.hub_model_id` (default: the output folder's name), private
-        when `args.hub_private_repo` is set.
+        The files are saved afresh into a temporary folder and that folder is uploaded, so
+        checkpoints, logs and metrics in `output_dir` stay local. The repository is
+        `args.hub_model_id` (default: the output folder's name), private when
+        `args.hub_private_repo` is set.
+
+        Args:
+            extra_files (`list[str]`, *optional*): more files to upload beside them (for
+                example a reward-curve image the model card shows).
         """
         self.save_model(self.args.output_dir, _internal_call=True)
         if not self.args.should_save:
             return None
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
-        return hub.push_folder(
-            self.args.output_dir,
-            repo_id=repo_id,
-            private=self.args.hub_private_repo,
-            token=token or self.args.hub_token,
-            revision=revision or self.args.hub_revision,
-            commit_message=commit_message or "End of training",
-        )
+        with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-save-") as staging:
+            self.save_model(staging, _internal_call=True)
+            for path in extra_files or []:
+                shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+            return hub.push_folder(
+                staging,
+                repo_id=repo_id,
+                private=self.args.hub_private_repo,
+                token=token or self.args.hub_token,
+                revision=revision or self.args.hub_revision,
+                commit_message=commit_message or "End of training",
+            )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Checkpoints are not pushed: they hold optimizer states and, without LoRA, full
+        weights. `push_to_hub()` uploads the adapter, tokenizer and card at the end."""
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        # `training_args.bin` pickles the arguments: keep the Hub token out of it.
+        token, self.args.hub_token = self.args.hub_token, None
+        try:
+            super()._save(output_dir, state_dict=state_dict)
+        finally:
+            self.args.hub_token = token
 
 
 def is_complete_checkpoint(path: str) -> bool:
