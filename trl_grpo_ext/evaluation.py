@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
+from .rollout import completion_mask_from_ids, eos_token_ids
 
 
 @dataclass
@@ -126,15 +127,11 @@ def generate(
     was_training = model.training
     model.eval()
     texts = render_prompts(tokenizer, prompts)
-    eos_ids = {tokenizer.eos_token_id}
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if configured is not None:
-        eos_ids.update(configured if isinstance(configured, list) else [configured])
-    eos_ids.discard(None)
+    eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=sorted(eos_ids),
+        eos_token_id=eos_ids,
         num_return_sequences=num_samples,
     )
     if temperature is None:
@@ -153,18 +150,18 @@ def generate(
             add_special_tokens=False,
         ).to(device)  # (B, P)
         generated = model.generate(**encoded, **kwargs)  # (B * n, P + T)
-        completion_ids = generated[:, encoded["input_ids"].shape[1] :].tolist()  # (B * n, T)
-        for row in range(0, len(completion_ids), num_samples):
-            group_texts, group_counts, group_truncated = [], [], []
-            for ids in completion_ids[row : row + num_samples]:
-                ends = [i for i, token in enumerate(ids) if token in eos_ids]
-                length = ends[0] + 1 if ends else len(ids)
-                group_texts.append(tokenizer.decode(ids[:length], skip_special_tokens=True))
-                group_counts.append(length)
-                group_truncated.append(not ends)
-            outputs.append(group_texts)
-            counts.append(group_counts)
-            truncated.append(group_truncated)
+        completion_ids = generated[:, encoded["input_ids"].shape[1] :]  # (B * n, T)
+        mask, cut = completion_mask_from_ids(completion_ids, eos_ids)
+        lengths = mask.sum(dim=1).tolist()
+        decoded = [
+            tokenizer.decode(ids[:length], skip_special_tokens=True)
+            for ids, length in zip(completion_ids.tolist(), lengths)
+        ]
+        cut = cut.tolist()
+        for row in range(0, len(decoded), num_samples):
+            outputs.append(decoded[row : row + num_samples])
+            counts.append(lengths[row : row + num_samples])
+            truncated.append(cut[row : row + num_samples])
     model.train(was_training)
     return outputs, counts, truncated
 

@@ -1,6 +1,6 @@
 """Model card and adapter-only push to the Hugging Face Hub.
 
-`push_folder` uploads a clean staging folder that holds exactly what a user loads back: the
+`push_folder` uploads a staging folder that holds exactly what a user loads back: the
 adapter (or the full model without LoRA), the tokenizer and the model card. Checkpoints, logs and
 `training_args.bin` stay local.
 """
@@ -8,9 +8,6 @@ adapter (or the full model without LoRA), the tokenizer and the model card. Chec
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
@@ -117,23 +114,17 @@ def push_folder(
     token: str | None = None,
     revision: str | None = None,
     commit_message: str = "Upload GRPO-trained model",
-    exclude: tuple[str, ...] = ("training_args.bin",),
 ):
-    """Creates `repo_id` if needed and uploads `folder` minus `exclude`; returns the commit info.
+    """Creates `repo_id` if needed and uploads every file of `folder`; returns the commit info.
 
-    The files are copied into a temporary folder first, so that what is uploaded is exactly
-    what the caller sees listed there.
+    The caller stages the folder, so that what is uploaded is exactly what it holds.
     """
     api = HfApi(token=token)
-    with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-push-") as staging:
-        for path in Path(folder).iterdir():
-            if path.is_file() and path.name not in exclude:
-                shutil.copy2(path, Path(staging) / path.name)
-        api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
-        return api.upload_folder(
-            repo_id=repo_id,
-            folder_path=staging,
-            commit_message=commit_message,
-            revision=revision,
-            repo_type="model",
-        )
+    api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        commit_message=commit_message,
+        revision=revision,
+        repo_type="model",
+    )

@@ -35,6 +35,7 @@ from transformers import (
     Trainer,
     set_seed,
 )
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
@@ -813,6 +814,9 @@ class GroupRelativeTrainer(Trainer):
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-save-") as staging:
             self.save_model(staging, _internal_call=True)
+            args_file = os.path.join(staging, TRAINING_ARGS_NAME)  # a pickle of the arguments
+            if os.path.exists(args_file):
+                os.remove(args_file)
             for path in extra_files or []:
                 shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
             return hub.push_folder(
