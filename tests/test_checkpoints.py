@@ -9,6 +9,7 @@ import yaml
 from trainer_helpers import make_trainer
 from transformers import TrainerCallback
 
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 from trl_grpo_ext.trainer import last_complete_checkpoint
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
@@ -96,11 +97,17 @@ def test_save_model_writes_the_adapter_tokenizer_and_card(tmp_path, straight_run
     assert {"grpo", "trl_grpo_ext"} <= set(metadata["tags"])
     assert "odd_first_byte" in card and "| `loss_type` | dapo |" in card
 
-    from peft import AutoPeftModelForCausalLM  # the adapter loads back with PEFT
-
     with open(tmp_path / "final" / "adapter_config.json") as handle:
         assert json.load(handle)["peft_type"] == "LORA"
-    del AutoPeftModelForCausalLM
+
+    from peft import PeftModel  # the adapter loads back onto a fresh base with PEFT
+
+    base, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "final"))
+    trained = dict(trainer.model.named_parameters())
+    for name, param in loaded.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(param, trained[name])
 
 
 def test_push_to_hub_uploads_exactly_adapter_tokenizer_and_card(tmp_path, monkeypatch):
