@@ -33,14 +33,17 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds per model")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per process")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per process")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per trainer (0: torch default)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per trainer (0: torch default, all cores)",
     )
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--json", default=None, help="also write the raw records here")
