@@ -30,7 +30,6 @@ import torch
 import torch.multiprocessing as mp
 
 from .rollout import (
-    completion_logprobs,
     completion_mask_from_ids,
     generate_with_transformers,
     seeded,
@@ -60,27 +59,21 @@ class RolloutWorker(Protocol):
 
 
 def sample_batch(model, tokenizer, prompt_texts, generation_config, max_prompt_length, seed):
-    """Samples one generation batch and the behaviour log-probs of its tokens."""
+    """Samples one generation batch and the behaviour log-probs of its tokens (from the
+    sampling pass's own logits, as a server backend such as vLLM reports them)."""
     with seeded(seed, model.device):
-        prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
+        prompt_ids, prompt_mask, completion_ids, behaviour_logps = generate_with_transformers(
             model,
             tokenizer,
             prompt_texts,
             generation_config=generation_config,
             max_prompt_length=max_prompt_length,
+            return_logprobs=True,
         )
     eos = generation_config.eos_token_id
     completion_mask, _ = completion_mask_from_ids(
         completion_ids, eos if isinstance(eos, list) else [eos]
     )
-    with torch.no_grad():
-        behaviour_logps = completion_logprobs(
-            model,
-            torch.cat([prompt_ids, completion_ids], dim=1),
-            torch.cat([prompt_mask, completion_mask], dim=1),
-            completion_ids,
-            temperature=generation_config.temperature,
-        )  # (N, T)
     return prompt_ids, prompt_mask, completion_ids, behaviour_logps * completion_mask
 
 

@@ -119,7 +119,8 @@ def generate_with_transformers(
     *,
     generation_config: GenerationConfig,
     max_prompt_length: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_logprobs: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
     Each prompt is tokenised and run through the model once (`_generate_groups`): its first
@@ -127,8 +128,15 @@ def generate_with_transformers(
     prompt's cache repeated G times. The number of forward passes is that of one `generate`
     call that expands each prompt into its group first, which encodes every prompt G times.
 
+    With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
+    policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
+    top-k/top-p), as the trainer computes them: no second forward pass. The raw logits of all
+    steps are held until the end, `T x B*G x V` float32 values.
+
     Returns:
-        `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)`.
+        `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
+        `(B*G, T)`, and the log-probs `(B*G, T)` when `return_logprobs=True` (meaningful up to
+        each completion's first eos).
     """
     encoded = tokenizer(
         prompt_texts,
@@ -144,19 +152,34 @@ def generate_with_transformers(
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
-    completion_ids = None
+    if return_logprobs:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.output_logits = True
+        generation_config.return_dict_in_generate = True
+    generated = None
     if group_size > 1 and generation_config.do_sample:
-        completion_ids = _generate_groups(
-            model, encoded, prompt_ids, prompt_mask, generation_config
-        )
-    if completion_ids is None:
+        generated = _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
+    if generated is None:
         output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
-        completion_ids = output[:, prompt_length:]
-    return prompt_ids, prompt_mask, completion_ids
+        if return_logprobs:
+            generated = output.sequences[:, prompt_length:], output.logits
+        else:
+            generated = output[:, prompt_length:], None
+    completion_ids, step_logits = generated
+    if not return_logprobs:
+        return prompt_ids, prompt_mask, completion_ids
+    logps = [
+        token_logprobs(
+            logits.unsqueeze(1), completion_ids[:, t : t + 1], generation_config.temperature
+        )
+        for t, logits in enumerate(step_logits)
+    ]  # T x (B*G, 1)
+    return prompt_ids, prompt_mask, completion_ids, torch.cat(logps, dim=1)
 
 
 def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config):
-    """Completions `(B*G, T)` with each prompt encoded once, or None where the model's
+    """Completions `(B*G, T)` with each prompt encoded once, and the raw logits of each step
+    (`T x (B*G, V)`, or None unless `generation_config.output_logits`); None where the model's
     `generate` does not return a reusable cache.
 
     1. `generate` one token for the B prompts, keeping the processed scores (temperature,
@@ -186,9 +209,11 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
     probs = torch.softmax(scores, dim=-1)  # (B, V)
     first_tokens = torch.multinomial(probs, group_size, replacement=True)  # (B, G)
     first_tokens = first_tokens.reshape(-1, 1)  # (B*G, 1)
+    want_logits = bool(generation_config.output_logits)
+    step_logits = [first.logits[0].repeat_interleave(group_size, dim=0)] if want_logits else None
     remaining = generation_config.max_new_tokens - 1
     if remaining < 1:
-        return first_tokens
+        return first_tokens, step_logits
     cache.batch_repeat_interleave(group_size)  # (B*G, heads, P, head_dim) per layer
     rest_config = copy.deepcopy(generation_config)
     rest_config.num_return_sequences = 1
@@ -203,7 +228,9 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
         generation_config=rest_config,
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
-    return output[:, prompt_ids.shape[1] :]
+    if want_logits:
+        return output.sequences[:, prompt_ids.shape[1] :], step_logits + list(output.logits)
+    return output[:, prompt_ids.shape[1] :], None
 
 
 def _as_list(value) -> list:

@@ -1,0 +1,105 @@
+"""Sampling and log-probs of rollouts, against a slow reference: each row alone, unpadded, in a
+plain forward pass of the model."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trl_grpo_ext.objective import token_logprobs
+from trl_grpo_ext.rollout import (
+    completion_logprobs,
+    completion_mask_from_ids,
+    generate_with_transformers,
+)
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+PROMPTS = ["1+2=", "10+17=", "3+3=?"]  # different lengths, so the prompts are left-padded
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    return model.eval(), tokenizer
+
+
+def sampling(tokenizer, group_size=4, **kwargs):
+    return GenerationConfig(
+        do_sample=True,
+        max_new_tokens=6,
+        num_return_sequences=group_size,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **kwargs,
+    )
+
+
+def reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, temperature):
+    """Each row alone, its padding removed, the whole sequence through the model."""
+    rows = []
+    for ids, keep, completion in zip(prompt_ids, prompt_mask, completion_ids):
+        prompt = ids[keep.bool()]
+        logits = model(input_ids=torch.cat([prompt, completion])[None]).logits
+        aligned = logits[:, len(prompt) - 1 : -1]  # position t predicts completion token t
+        rows.append(token_logprobs(aligned, completion[None], temperature))
+    return torch.cat(rows) * mask
+
+
+def sample(model, tokenizer, config, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return generate_with_transformers(model, tokenizer, PROMPTS, generation_config=config, **kwargs)
+
+
+def test_packed_logprobs_and_gradients_match_each_row_alone(tiny):
+    model, tokenizer = tiny
+    prompt_ids, prompt_mask, completion_ids = sample(model, tokenizer, sampling(tokenizer))
+    mask, _ = completion_mask_from_ids(completion_ids, [tokenizer.eos_token_id])
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, mask], 1)
+
+    packed = completion_logprobs(model, input_ids, attention_mask, completion_ids, 0.7) * mask
+    (packed.sum()).backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, 0.7)
+    reference.sum().backward()
+    reference_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    torch.testing.assert_close(packed, reference, atol=2e-5, rtol=1e-5)
+    for got, want in zip(packed_grads, reference_grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "group_size, options",
+    [
+        (4, {}),  # each prompt encoded once, the group continued from its cache
+        (4, {"top_k": 5, "top_p": 0.9}),  # log-probs of the tempered distribution, unfiltered
+        (1, {}),  # one plain generate call
+    ],
+)
+def test_sampling_logprobs_are_the_log_probs_of_the_sampled_tokens(tiny, group_size, options):
+    model, tokenizer = tiny
+    config = sampling(tokenizer, group_size, temperature=0.7, **options)
+    prompt_ids, prompt_mask, completion_ids, logps = sample(
+        model, tokenizer, config, return_logprobs=True
+    )
+    assert logps.shape == completion_ids.shape
+    mask, _ = completion_mask_from_ids(completion_ids, [tokenizer.eos_token_id])
+    reference = reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, 0.7)
+    torch.testing.assert_close(logps * mask, reference, atol=2e-5, rtol=1e-5)
+    # The same tokens as without log-probs, from the same seed.
+    assert torch.equal(sample(model, tokenizer, config)[2], completion_ids)
+
+
+def test_prompt_once_sampling_matches_one_generate_call_when_deterministic(tiny):
+    model, tokenizer = tiny
+    config = sampling(tokenizer, top_k=1)  # sampling that always picks the most likely token
+    _, _, completion_ids = sample(model, tokenizer, config)
+    encoded = tokenizer(
+        PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    output = model.generate(**encoded, generation_config=config)
+    expected = output[:, encoded["input_ids"].shape[1] :]
+    assert completion_ids.shape[0] == len(PROMPTS) * 4
+    assert torch.equal(completion_ids, expected)
