@@ -306,6 +306,47 @@ def test_no_extra_forward_for_old_logps_with_one_iteration(tmp_path):
     assert counter.calls == generation_calls + 1
 
 
+def constant_when_a_is_zero(prompts, completions, **kwargs):
+    """Prompts `0+b=` always score 1 (groups without signal); others score the first byte."""
+    return [
+        1.0 if prompt.startswith("0") else float(ord(completion[0]) % 2) if completion else 0.0
+        for prompt, completion in zip(prompts, completions)
+    ]
+
+
+def test_micro_batches_without_signal_skip_the_model_and_change_nothing(tmp_path, monkeypatch):
+    """A micro-batch whose advantages are all zero (here one group of a `0+b=` prompt) has a
+    loss and gradient of exactly 0: it skips the forward and backward passes, and training ends
+    with the same losses and weights as computing it."""
+    config = dict(
+        reward_funcs=constant_when_a_is_zero,
+        dataset=digit_sums(3),
+        per_device_train_batch_size=4,  # one group per micro-batch
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        weight_decay=0.1,
+    )
+
+    def run(name):
+        trainer = make_trainer(tmp_path / name, **config)
+        counter = CountingForwards(trainer.model.get_base_model())
+        trainer.train()
+        weights = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        return trainer, counter.calls, weights
+
+    skipping, skipping_calls, skipping_weights = run("skip")
+    with monkeypatch.context() as patch:
+        patch.setattr(GroupRelativeTrainer, "_carries_no_signal", lambda self, batch: False)
+        computing, computing_calls, computing_weights = run("compute")
+    assert logged(skipping, "frac_reward_zero_std") == logged(computing, "frac_reward_zero_std")
+    skipped = sum(logged(computing, "frac_reward_zero_std")) * 2  # groups = micro-batches
+    assert skipped >= 2  # the toy data has groups without signal
+    assert computing_calls - skipping_calls == skipped
+    assert logged(skipping, "loss") == logged(computing, "loss")
+    for name, value in computing_weights.items():
+        torch.testing.assert_close(skipping_weights[name], value, rtol=0, atol=0)
+
+
 def test_old_logps_computed_once_per_generation_batch_with_several_iterations(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=4, num_iterations=2, max_completion_length=1)
     counter = CountingForwards(trainer.model.get_base_model())

@@ -395,6 +395,12 @@ class GroupRelativeTrainer(Trainer):
             `(loss, metrics)`; metrics are floats, averaged over micro-batches when logged.
         """
         args = self.args
+        if self._carries_no_signal(batch):
+            # Every term of the loss is an advantage times something: the loss and its
+            # gradient are exactly 0, so skip the forward and backward passes. Zero gradients
+            # still reach the optimizer (Adam's moments and weight decay step as usual).
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            return sum(p.view(-1)[0] for p in trainable) * 0.0, {}
         logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
         importance_weights, off_policy_stats = None, {}
         if "behaviour_logps" in batch:  # rollouts from the asynchronous worker
@@ -431,6 +437,17 @@ class GroupRelativeTrainer(Trainer):
         return loss, metrics
 
     # ------------------------------------------------------------------ internals
+
+    def _carries_no_signal(self, batch: dict) -> bool:
+        """True when no token of the micro-batch has a non-zero advantage and nothing else
+        (a KL term) enters the loss. Only on one process without DeepSpeed or FSDP: there,
+        skipping a forward pass cannot leave other processes waiting in a collective."""
+        if self.args.beta != 0 or self.args.world_size > 1:
+            return False
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        signal = (batch["advantages"] != 0).unsqueeze(1) & batch["completion_mask"].bool()
+        return not bool(signal.any())
 
     def _render_prompt(self, prompt) -> str:
         if not is_conversational(prompt):
