@@ -391,8 +391,12 @@ class GroupRelativeTrainer(Trainer):
         divided by the accumulation steps, which is exact for "grpo" and "dr_grpo" (every
         micro-batch has the same number of sequences) and is TRL's definition for "bnpo".
 
+        A micro-batch with no non-zero advantage (and `beta == 0`, one process) returns a zero
+        loss without running the model: its loss and gradient are exactly 0 anyway.
+
         Returns:
-            `(loss, metrics)`; metrics are floats, averaged over micro-batches when logged.
+            `(loss, metrics)`; metrics are floats, averaged over the micro-batches that ran the
+            model when logged.
         """
         args = self.args
         if self._carries_no_signal(batch):
