@@ -12,7 +12,6 @@ after, save, push. Everything algorithmic lives in the package (`trl_grpo_ext`);
 # ruff: noqa: E402
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -282,11 +281,4 @@ def main(script_args, training_args, model_args):
 
 if __name__ == "__main__":
     parser = TrlParser((MathScriptArguments, GroupRelativeConfig, ModelConfig))
-    trainer, _, _ = main(*parser.parse_args_and_config())
-    # Release what holds the process group, then tear it down: with several processes, gloo's
-    # worker threads otherwise race the interpreter's shutdown and can abort a finished run.
-    accelerator = trainer.accelerator
-    del trainer
-    gc.collect()
-    accelerator.free_memory()
-    accelerator.end_training()
+    main(*parser.parse_args_and_config())

@@ -3,7 +3,6 @@
 usage: distributed_run.py OUTPUT_DIR PER_DEVICE_BATCH
 """
 
-import gc
 import json
 import os
 import sys
@@ -36,10 +35,3 @@ weights = sum(
 )
 with open(os.path.join(output_dir, f"result-{rank}.json"), "w") as handle:
     json.dump({"log": trainer.state.log_history, "weights": weights}, handle)
-# Release everything that holds the process group, then tear it down: gloo's worker threads
-# otherwise race the interpreter's shutdown and can abort the process after a finished run.
-accelerator = trainer.accelerator
-del trainer
-gc.collect()
-accelerator.free_memory()
-accelerator.end_training()

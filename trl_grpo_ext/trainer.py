@@ -16,12 +16,15 @@ accumulation and data parallelism.
 
 from __future__ import annotations
 
+import atexit
 import copy
+import gc
 import itertools
 import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -66,6 +69,22 @@ def is_peft_model(model) -> bool:
 
 def is_conversational(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _end_distributed_at_exit(trainer_ref) -> None:
+    """Tears down the process group while the interpreter is still whole.
+
+    Left to interpreter shutdown, gloo's worker threads free finished collectives (and their
+    tensors) while Python is being torn down, which aborts the process now and then after a
+    finished run (exit code -6). The data-parallel wrapper holds the process group, so it is
+    released first."""
+    trainer = trainer_ref()
+    if trainer is None or not torch.distributed.is_initialized():
+        return
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
+    gc.collect()
+    trainer.accelerator.end_training()
 
 
 class GenerationBatchSampler(Sampler[list[int]]):
@@ -237,6 +256,8 @@ class GroupRelativeTrainer(Trainer):
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
         self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
+        if args.world_size > 1:
+            atexit.register(_end_distributed_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ data
 
