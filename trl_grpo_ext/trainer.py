@@ -546,6 +546,14 @@ class GroupRelativeTrainer(Trainer):
     def _rollout_pipeline(self) -> RolloutPipeline:
         if self._pipeline is None:
             model = self.accelerator.unwrap_model(self.model)
+            if model.device.type != "cpu":
+                warnings.warn(
+                    f"max_staleness is set and the model is on {model.device}: the local rollout "
+                    "worker generates with a copy of the model on the CPU, which is likely "
+                    "slower than synchronous generation on the accelerator. Unset max_staleness "
+                    "to generate there.",
+                    stacklevel=2,
+                )
             worker = ProcessRolloutWorker(
                 model,
                 self.processing_class,
