@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -10,6 +11,12 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("distributed_run.py")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run(output_dir, processes, per_device):
@@ -21,7 +28,7 @@ def run(output_dir, processes, per_device):
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
             "--num_processes", str(processes), "--mixed_precision", "no",
-            "--main_process_port", "29517", str(SCRIPT),
+            "--main_process_port", str(free_port()), str(SCRIPT),
         ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
