@@ -465,8 +465,9 @@ class GroupRelativeTrainer(Trainer):
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else
-        (a KL term) enters the loss. Only on one process without DeepSpeed or FSDP: there,
-        skipping a forward pass cannot leave other processes waiting in a collective."""
+        (a KL term) enters the loss. Never with several processes, DeepSpeed or FSDP, where a
+        skipped forward pass would leave the other processes waiting in a collective or break
+        the engine's hooks."""
         if self.args.beta != 0 or self.args.world_size > 1:
             return False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
