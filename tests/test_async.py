@@ -256,3 +256,18 @@ def test_async_options_are_validated(tmp_path):
         make_trainer(tmp_path, max_staleness=1, num_iterations=2)
     with pytest.raises(ValueError, match="off_policy_correction"):
         make_trainer(tmp_path, off_policy_correction="ppo")
+
+
+def test_async_warns_when_the_model_is_on_an_accelerator(tmp_path, monkeypatch):
+    """The local worker generates on the CPU; with the model on a GPU that is a slowdown the
+    user should hear about."""
+    trainer = make_trainer(tmp_path, max_staleness=1, max_steps=1)
+    model_class = type(trainer.accelerator.unwrap_model(trainer.model))
+    cuda = property(lambda self: torch.device("cuda", 0))
+    monkeypatch.setattr(model_class, "device", cuda, raising=False)
+    try:
+        with pytest.warns(UserWarning, match="on cuda:0: the local rollout worker generates"):
+            trainer._rollout_pipeline()
+    finally:
+        monkeypatch.undo()
+        trainer._pipeline.close()
