@@ -9,8 +9,8 @@ import yaml
 from trainer_helpers import make_trainer
 from transformers import TrainerCallback
 
+from trl_grpo_ext.checkpoints import last_complete_checkpoint
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
-from trl_grpo_ext.trainer import last_complete_checkpoint
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -42,6 +42,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
+from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import GroupRelativeConfig
 from .objective import group_advantages, policy_loss, weighted_rewards
 from .off_policy import off_policy_weights
@@ -55,6 +56,7 @@ from .rollout import (
     generation_seed,
     seeded,
 )
+from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
 from .scoring import call_reward_funcs, resolve_reward_funcs, reward_name
 
 try:
@@ -85,49 +87,6 @@ def _end_distributed_at_exit(trainer_ref) -> None:
     trainer.model_wrapped = trainer.model
     gc.collect()
     trainer.accelerator.end_training()
-
-
-class GenerationBatchSampler(Sampler[list[int]]):
-    """Yields this process's prompt indices of each generation batch, `repeats` times in a row.
-
-    Every process draws the same permutation (seeded by `seed + epoch`) and takes its own slice
-    of each global generation batch, so processes never share a prompt and a group never leaves
-    its process. An incomplete last generation batch is dropped.
-    """
-
-    def __init__(self, num_rows, prompts_per_batch, repeats, rank, world_size, shuffle, seed):
-        self.num_rows, self.prompts_per_batch, self.repeats = num_rows, prompts_per_batch, repeats
-        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __len__(self):
-        return self.num_rows // (self.prompts_per_batch * self.world_size) * self.repeats
-
-    def __iter__(self):
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=generator).tolist()
-        else:
-            order = list(range(self.num_rows))
-        global_batch = self.prompts_per_batch * self.world_size
-        for start in range(0, self.num_rows - global_batch + 1, global_batch):
-            local = order[start + self.rank * self.prompts_per_batch :][: self.prompts_per_batch]
-            for _ in range(self.repeats):
-                yield local
-
-
-class _EpochDataLoader(DataLoader):
-    """A DataLoader whose `set_epoch` reaches its batch sampler (the Trainer calls it)."""
-
-    def set_epoch(self, epoch: int):
-        self.batch_sampler.set_epoch(epoch)
-
-
-def _rows(batch):
-    return batch
 
 
 class GroupRelativeTrainer(Trainer):
@@ -223,7 +182,7 @@ class GroupRelativeTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=_rows,
+            data_collator=collate_rows,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -279,7 +238,7 @@ class GroupRelativeTrainer(Trainer):
             shuffle=args.shuffle_dataset,
             seed=args.data_seed if args.data_seed is not None else args.seed,
         )
-        return _EpochDataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_rows)
+        return EpochDataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate_rows)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
@@ -890,36 +849,6 @@ class GroupRelativeTrainer(Trainer):
             super()._save(output_dir, state_dict=state_dict)
         finally:
             self.args.hub_token = token
-
-
-def is_complete_checkpoint(path: str) -> bool:
-    """A checkpoint is complete when its `trainer_state.json`, written last, parses."""
-    import json
-
-    try:
-        with open(os.path.join(path, "trainer_state.json")) as handle:
-            json.load(handle)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The newest `checkpoint-N` in `output_dir` whose writing finished, or None."""
-    if not os.path.isdir(output_dir):
-        return None
-    candidates = []
-    for name in os.listdir(output_dir):
-        prefix, _, step = name.partition("-")
-        if prefix == "checkpoint" and step.isdigit():
-            candidates.append((int(step), os.path.join(output_dir, name)))
-    for _, path in sorted(candidates, reverse=True):
-        if is_complete_checkpoint(path):
-            return path
-        warnings.warn(
-            f"Skipping {path}: its writing was interrupted (left in place).", stacklevel=3
-        )
-    return None
 
 
 def print_completions(table: dict[str, list], limit: int | None) -> None:
