@@ -20,20 +20,13 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) != _HERE]
 
-from dataclasses import dataclass, field
-
 import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
-from trl_grpo_ext.data import (
-    SYSTEM_PROMPT,
-    check_chat_template,
-    dataset_hub_id,
-    load_math_dataset,
-)
+from trl_grpo_ext.data import check_chat_template, dataset_hub_id, load_math_dataset
 from trl_grpo_ext.evaluation import (
     MetricsJsonlCallback,
     PeriodicEvalCallback,
@@ -41,103 +34,8 @@ from trl_grpo_ext.evaluation import (
     evaluate_on_processes,
     plot_training_curve,
 )
-from trl_grpo_ext.models import TINY_MODEL_NAME, TinyWarmup, gguf_to_folder, warm_tiny_model
 from trl_grpo_ext.rewards import get_reward
-
-
-@dataclass
-class MathScriptArguments:
-    """Data, rewards and evaluation of the math recipe (the trainer's fields are in
-    `GroupRelativeConfig`, the model's in `trl.ModelConfig`)."""
-
-    dataset_name: str = field(
-        default="gsm8k",
-        metadata={"help": "gsm8k, math, synthetic, a Hub id, or a local .jsonl/.parquet file."},
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Evaluation split."})
-    eval_dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Evaluation dataset; defaults to dataset_name (math500 for math)."},
-    )
-    dataset_question_column: str | None = field(
-        default=None, metadata={"help": "Question column (default: question, then problem)."}
-    )
-    dataset_answer_column: str | None = field(
-        default=None, metadata={"help": "Answer column (default: answer, then solution)."}
-    )
-    num_train_samples: int | None = field(
-        default=None, metadata={"help": "Keep this many training problems (required: synthetic)."}
-    )
-    num_eval_samples: int | None = field(
-        default=200, metadata={"help": "Held-out problems evaluated before and after training."}
-    )
-    synthetic_difficulty: int = field(
-        default=2, metadata={"help": "Difficulty level of the synthetic arithmetic (1-5)."}
-    )
-    system_prompt: str = field(
-        default=SYSTEM_PROMPT, metadata={"help": "System message; empty for none."}
-    )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["math_accuracy", "format"],
-        metadata={"help": "Reward functions: registry names or dotted paths."},
-    )
-    eval_max_new_tokens: int | None = field(
-        default=None, metadata={"help": "Token cap of evaluation; default max_completion_length."}
-    )
-    eval_num_samples: int = field(
-        default=0, metadata={"help": "Samples per problem for pass@k after training; 0 skips."}
-    )
-    eval_k: list[int] = field(default_factory=lambda: [1], metadata={"help": "k of pass@k."})
-    eval_every_steps: int = field(
-        default=0, metadata={"help": "Held-out greedy accuracy every N steps; 0 disables."}
-    )
-    keep_best: bool = field(
-        default=False, metadata={"help": "Save the best periodic evaluation to output_dir/best."}
-    )
-    eval_batch_size: int = field(default=64, metadata={"help": "Prompts per generate call."})
-    gguf_file: str | None = field(
-        default=None,
-        metadata={"help": "GGUF file in model_name_or_path, converted to safetensors first."},
-    )
-    tiny_warmup_target_accuracy: float = field(
-        default=0.3,
-        metadata={"help": "The tiny model's warm-up stops at this validation accuracy."},
-    )
-    tiny_warmup_max_steps: int = field(
-        default=600, metadata={"help": "Most supervised warm-up steps of the tiny model."}
-    )
-    tiny_hidden_size: int = field(default=64, metadata={"help": "Hidden size of the tiny model."})
-    tiny_num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny model."})
-    tiny_cache_dir: str = field(
-        default=".cache/tiny_warmup", metadata={"help": "Cache of warmed-up tiny models."}
-    )
-    torch_num_threads: int | None = field(
-        default=None,
-        metadata={"help": "CPU threads of PyTorch; 1 is fastest for the tiny model on a busy CPU."},
-    )
-
-
-def resolve_model_path(script_args, model_args, training_args) -> str:
-    """The folder or Hub id to load: the warmed-up tiny model, a converted GGUF, or as given."""
-    name = model_args.model_name_or_path
-    if name == TINY_MODEL_NAME:
-        settings = TinyWarmup(
-            hidden_size=script_args.tiny_hidden_size,
-            num_hidden_layers=script_args.tiny_num_hidden_layers,
-            intermediate_size=4 * script_args.tiny_hidden_size,
-            max_steps=script_args.tiny_warmup_max_steps,
-            target_accuracy=script_args.tiny_warmup_target_accuracy,
-            difficulty=script_args.synthetic_difficulty,
-            system_prompt=script_args.system_prompt,
-            seed=training_args.seed,
-        )
-        return warm_tiny_model(script_args.tiny_cache_dir, settings)
-    if script_args.gguf_file:
-        folder = os.path.join(script_args.tiny_cache_dir, "..", "gguf", script_args.gguf_file)
-        return gguf_to_folder(os.path.join(name, script_args.gguf_file), os.path.normpath(folder))
-    return name
+from trl_grpo_ext.script_args import MathScriptArguments, resolve_model_path
 
 
 def main(script_args, training_args, model_args):
