@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import re
 from dataclasses import dataclass
 
 from datasets import Dataset, load_dataset
@@ -309,9 +308,3 @@ def _first_present(columns: list[str], preferred: str, fallbacks: tuple[str, ...
         if column in columns:
             return column
     return preferred
-
-
-def number_from_text(text: str) -> str | None:
-    """The last number in `text` (commas dropped), for lenient scoring of unformatted answers."""
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return numbers[-1].replace(",", "") if numbers else None
