@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from trl_grpo_ext.generation import PromptEncoder
 from trl_grpo_ext.objective import token_logprobs
 from trl_grpo_ext.rollout import (
     _shared_prompt_logits,
@@ -50,7 +51,10 @@ def reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, tem
 
 def sample(model, tokenizer, config, seed=0, **kwargs):
     torch.manual_seed(seed)
-    return generate_with_transformers(model, tokenizer, PROMPTS, generation_config=config, **kwargs)
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+    return generate_with_transformers(
+        model, prompt_ids, prompt_mask, generation_config=config, **kwargs
+    )
 
 
 def test_packed_logprobs_and_gradients_match_each_row_alone(tiny):

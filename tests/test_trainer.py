@@ -347,7 +347,11 @@ def test_micro_batches_without_signal_skip_the_model_and_change_nothing(tmp_path
         torch.testing.assert_close(skipping_weights[name], value, rtol=0, atol=0)
 
 
-def test_old_logps_computed_once_per_generation_batch_with_several_iterations(tmp_path):
+def test_old_logps_computed_once_per_generation_batch_with_several_iterations(
+    tmp_path, monkeypatch
+):
+    # Every micro-batch runs the model, even one whose advantages are all zero.
+    monkeypatch.setattr(GroupRelativeTrainer, "_carries_no_signal", lambda self, batch: False)
     trainer = make_trainer(tmp_path, max_steps=4, num_iterations=2, max_completion_length=1)
     counter = CountingForwards(trainer.model.get_base_model())
     trainer.train()

@@ -12,6 +12,8 @@ written for TRL's trainer configures this one too. Differences from TRL:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,37 @@ from transformers import TrainingArguments
 
 from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_MODES
 from .off_policy import OFF_POLICY_CORRECTIONS
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+# Fields of `trl.GRPOConfig` whose default differs here, with the reason. `docs/coming-from-trl.md`
+# shows this table and a test checks that every other field has TRL's default.
+TRL_DIFFERENCES: dict[str, str] = {
+    "max_prompt_length": "Not a field of trl 1.16, which never truncates prompts. Here prompts "
+    "longer than 512 tokens are cut from the left (with a warning), so one long prompt cannot "
+    "exhaust memory; set it to None for TRL's behaviour.",
+    "max_completion_length": "256 instead of 512: the presets set it explicitly, and 256 keeps the "
+    "defaults usable on a CPU or a consumer GPU.",
+    "gradient_checkpointing": "Off instead of on: it trades about a third more compute for memory, "
+    "which the small models this trainer targets do not need; turn it on for 7B models.",
+}
+
+# Fields of `trl.GRPOConfig` that are accepted (so a TRL YAML parses) but whose non-default values
+# are not implemented here: field -> what to do instead. A non-default value is an error.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "use_vllm": "generation runs with transformers' generate; set use_vllm: false (a vLLM "
+    "engine is being built)",
+    "router_aux_loss_coef": "train dense models, or leave it unset",
+    "entropy_coef": "leave it at 0.0; top_entropy_quantile focuses training on uncertain tokens",
+    "use_adaptive_entropy": "leave it false",
+    "use_transformers_continuous_batching": "leave it false; generation is batched per group",
+    "use_transformers_paged": "leave it false",
+    "transformers_continuous_batching_config": "leave it unset",
+    "max_tool_calling_iterations": "leave it unset; tool calling is not supported",
+    "log_unique_prompts": "leave it false; log_completions prints every row",
+    "log_completions_hub_repo": "leave it unset; log_completions prints the table",
+}
 
 
 def _has_accelerator() -> bool:
@@ -66,11 +99,57 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
 
-    model_init_kwargs: dict[str, Any] | None = field(
+    # Dict fields given as JSON strings (command line) are parsed by TrainingArguments.
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+        "transformers_continuous_batching_config",
+    ]
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
             "help": "Keyword arguments of `AutoModelForCausalLM.from_pretrained` when the model "
-            "is given as a path or hub id (e.g. {'dtype': 'bfloat16'})."
+            "is given as a path or hub id (e.g. {'dtype': 'bfloat16'}); a JSON string on the "
+            "command line."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the modelling and tokenizer code of a hub repository that ships its own. "
+            "Off by default: that code runs on your machine."
+        },
+    )
+    disable_dropout: bool = field(
+        default=False,
+        metadata={
+            "help": "Set every dropout probability of the model (and reference model) to 0. Log-prob "
+            "passes without gradient always run with dropout off, whatever this says."
+        },
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={"help": "Compute the output head (logits) in float32, as TRL's option."},
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "MoE load-balancing loss weight (TRL); not implemented here."},
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad prompt and completion ids to a multiple of this many tokens. 'auto' pads to "
+            "128 on Neuron devices and not elsewhere, as TRL."
+        },
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3, gather the policy weights for generation (faster); off "
+            "generates with sharded weights (slower, for models that do not fit one GPU)."
         },
     )
 
@@ -84,7 +163,15 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Prompts longer than this many tokens are truncated from the left."},
     )
     max_completion_length: int = field(
-        default=256, metadata={"help": "Maximum number of generated tokens per completion."}
+        default=256,
+        metadata={
+            "help": "Maximum number of generated tokens per completion (TRL's default is 512; "
+            "see docs/coming-from-trl.md)."
+        },
+    )
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions per prompt in evaluate(); defaults to num_generations."},
     )
     temperature: float = field(
         default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at it too."}
@@ -93,11 +180,23 @@ class GroupRelativeConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
     min_p: float | None = field(default=None, metadata={"help": "Minimum token probability."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty."})
-    generation_kwargs: dict[str, Any] | None = field(
+    generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
-            "help": "Extra keyword arguments of `GenerationConfig`; they override the above."
+            "help": "Extra keyword arguments of `GenerationConfig`; they override the sampling "
+            "fields above (e.g. {'top_k': 20})."
         },
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments of `apply_chat_template` for conversational prompts "
+            "(e.g. {'enable_thinking': false} for Qwen3)."
+        },
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Cache implementation of `generate` (e.g. 'static'); None: its default."},
     )
     steps_per_generation: int | None = field(
         default=None,
@@ -141,7 +240,18 @@ class GroupRelativeConfig(TrainingArguments):
     )
     scale_rewards: str = field(
         default="group",
-        metadata={"help": f"Advantage scaling, one of {', '.join(SCALE_MODES)}."},
+        metadata={
+            "help": f"Advantage scaling, one of {', '.join(SCALE_MODES)}; true means 'group' and "
+            "false 'none', as in TRL."
+        },
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "'sum_then_normalize': weighted sum of the rewards, then group-relative "
+            "advantages; 'normalize_then_sum' (GDPO): normalise each reward within its group, "
+            "then sum with the weights and normalise over the batch."
+        },
     )
     reward_weights: list[float] | None = field(
         default=None,
@@ -153,6 +263,62 @@ class GroupRelativeConfig(TrainingArguments):
     mask_truncated_completions: bool = field(
         default=False,
         metadata={"help": "Exclude completions that hit max_completion_length from the loss."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "With beta > 0, weight the per-token KL by the importance ratio pi_theta / "
+            "pi_old, which makes it unbiased for off-policy tokens (TRL's default)."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Train only on the tokens whose entropy is in this top fraction (1.0: all "
+            "tokens; 0.2: the 20% most uncertain, as in 'Beyond the 80/20 rule')."
+        },
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "SAPO gate temperature for negative advantages."}
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "SAPO gate temperature for positive advantages."}
+    )
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for positive advantages."})
+    vespo_lambda_pos: float = field(
+        default=3.0, metadata={"help": "VESPO lambda for positive advantages."}
+    )
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
+    vespo_lambda_neg: float = field(
+        default=2.0, metadata={"help": "VESPO lambda for negative advantages."}
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSeek-V3.2 off-policy sequence masking threshold (TRL); None disables it."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Weight of an entropy bonus in the loss (TRL)."}
+    )
+    use_adaptive_entropy: bool = field(
+        default=False, metadata={"help": "Skywork-OR1 adaptive entropy control (TRL)."}
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy (TRL)."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy (TRL)."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy (TRL)."})
+    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy (TRL)."})
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Move the reference model towards the policy every ref_model_sync_steps steps: "
+            "ref <- alpha * policy + (1 - alpha) * ref (TR-DPO). Needs beta > 0 and full "
+            "fine-tuning."
+        },
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model."})
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "Optimizer steps between reference-model syncs."}
     )
 
     # Beyond TRL: dynamic sampling and asynchronous rollouts
@@ -200,10 +366,100 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Print a table of sample prompts, completions and rewards when logging."},
     )
     num_completions_to_print: int | None = field(
-        default=4, metadata={"help": "Rows of the completions table; None prints all."}
+        default=None, metadata={"help": "Rows of the completions table; None prints all."}
+    )
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "Log each prompt once in the completions table (TRL)."}
+    )
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "Log images of multimodal prompts (TRL; text only here)."}
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None, metadata={"help": "Upload the completions table to this Hub dataset (TRL)."}
+    )
+
+    # TRL's generation engines other than transformers' generate
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Generate with vLLM (TRL); not implemented here yet."}
+    )
+    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server'."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation."})
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "Offload vLLM's weights and cache while training."}
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Regex for vLLM structured outputs."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "Base URL of the vLLM server; overrides host and port."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the vLLM server."}
+    )
+    vllm_group_port: int = field(
+        default=51216, metadata={"help": "Port of the weight-update group of the vLLM server."}
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "GPU memory fraction of the colocated vLLM engine."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "Context length of the vLLM engine."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Tensor-parallel size of the colocated vLLM engine."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "Correct for the mismatch between vLLM's and the trainer's log-probs."},
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask", metadata={"help": "Importance-sampling correction mode."}
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound of the importance-sampling weights."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance-sampling weights."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated name of vllm_importance_sampling_clip_max."}
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False, metadata={"help": "transformers' continuous batching engine (TRL)."}
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "Its ContinuousBatchingConfig keyword arguments."}
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata={"help": "Deprecated name of the above (TRL)."}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Tool-calling turns of an agent (TRL)."}
     )
 
     def __post_init__(self):
+        # TRL accepts booleans here: true is "group", false is "none" (also as CLI strings).
+        booleans = {True: "group", False: "none", "true": "group", "false": "none"}
+        if isinstance(self.scale_rewards, (bool, str)):
+            key = self.scale_rewards.lower() if isinstance(self.scale_rewards, str) else None
+            self.scale_rewards = booleans.get(
+                self.scale_rewards if key is None else key, self.scale_rewards
+            )
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # the command line gives JSON
+                try:
+                    setattr(self, name, json.loads(value))
+                except ValueError as error:
+                    raise ValueError(
+                        f"{name}={value!r} is not valid JSON ({error}); give a JSON object, e.g. "
+                        f'--{name} \'{{"dtype": "float32"}}\'.'
+                    ) from None
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
+            value = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if value in ("none", "null") else int(value)
         if not self.use_cpu and not _has_accelerator():
             # Makes several CPU processes (accelerate launch --multi_gpu) use gloo data parallelism.
             self.use_cpu = True
@@ -218,6 +474,8 @@ class GroupRelativeConfig(TrainingArguments):
             # Non-reentrant checkpointing also works when the inputs do not require grad (LoRA).
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
         super().__post_init__()
+        if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate()
@@ -226,6 +484,47 @@ class GroupRelativeConfig(TrainingArguments):
         def fail(message):
             raise ValueError(message)
 
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, instead in NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                fail(
+                    f"{name}={value!r} is a trl.GRPOConfig setting that trl_grpo_ext does not "
+                    f"implement yet; {instead}."
+                )
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+            if not isinstance(getattr(self, name), (dict, type(None))):
+                fail(
+                    f"{name}={getattr(self, name)!r} must be a mapping (a JSON object on the "
+                    'command line, e.g. \'{"dtype": "float32"}\').'
+                )
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            fail(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "
+                f"one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}."
+            )
+        if not 0 < self.top_entropy_quantile <= 1:
+            fail(
+                f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0 trains "
+                "on every token)."
+            )
+        if self.pad_to_multiple_of is not None and (
+            not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1
+        ):
+            fail(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int or None.")
+        if self.sync_ref_model:
+            if self.beta == 0:
+                fail(
+                    "sync_ref_model=True with beta=0.0: the reference model is not used, so there "
+                    "is nothing to synchronise; set beta > 0 or sync_ref_model=False."
+                )
+            if not 0 <= self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
+                fail(
+                    f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1] and "
+                    f"ref_model_sync_steps={self.ref_model_sync_steps} >= 1."
+                )
         if self.num_generations < 2:
             fail(
                 f"num_generations={self.num_generations}: the group-relative advantage needs at "

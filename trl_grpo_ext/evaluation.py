@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from .generation import PromptEncoder, sampling_config
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
-from .rollout import completion_mask_from_ids, eos_token_ids
+from .rollout import completion_mask_from_ids, eos_token_ids, generate_with_transformers
 
 
 @dataclass
@@ -100,16 +101,6 @@ def score_completions(
     return strict, lenient
 
 
-def render_prompts(tokenizer, prompts: list) -> list[str]:
-    """Chat prompts rendered with the tokenizer's template (strings are used as they are)."""
-    return [
-        prompt
-        if isinstance(prompt, str)
-        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        for prompt in prompts
-    ]
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -121,36 +112,34 @@ def generate(
     temperature: float | None = None,
     top_p: float = 1.0,
     batch_size: int = 64,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
     """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
-    sampled ones. Returns `(texts, token_counts, truncated)`, each `[prompt][sample]`."""
+    sampled ones (no top-k or min-p filter, whatever the checkpoint's `generation_config`
+    says). Prompts are rendered and tokenised as in training (`generation.PromptEncoder`).
+    Returns `(texts, token_counts, truncated)`, each `[prompt][sample]`."""
     was_training = model.training
     model.eval()
-    texts = render_prompts(tokenizer, prompts)
+    encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
     eos_ids = eos_token_ids(model, tokenizer)
-    kwargs = dict(
+    greedy = temperature is None
+    config = sampling_config(
         max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_ids,
-        num_return_sequences=num_samples,
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=1 if greedy else num_samples,
+        greedy=greedy,
+        temperature=1.0 if greedy else temperature,
+        top_p=top_p,
     )
-    if temperature is None:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
-    device = next(model.parameters()).device
+    samples = config.num_return_sequences
     outputs, counts, truncated = [], [], []
-    step = max(1, batch_size // num_samples)
-    for start in range(0, len(texts), step):
-        encoded = tokenizer(
-            texts[start : start + step],
-            return_tensors="pt",
-            padding=True,
-            padding_side="left",
-            add_special_tokens=False,
-        ).to(device)  # (B, P)
-        generated = model.generate(**encoded, **kwargs)  # (B * n, P + T)
-        completion_ids = generated[:, encoded["input_ids"].shape[1] :]  # (B * n, T)
+    step = max(1, batch_size // samples)
+    for start in range(0, len(prompts), step):
+        prompt_ids, prompt_mask = encoder.encode(prompts[start : start + step])  # (B, P)
+        _, _, completion_ids = generate_with_transformers(
+            model, prompt_ids, prompt_mask, generation_config=config
+        )  # (B * n, T)
         mask, cut = completion_mask_from_ids(completion_ids, eos_ids)
         lengths = mask.sum(dim=1).tolist()
         decoded = [
@@ -158,10 +147,10 @@ def generate(
             for ids, length in zip(completion_ids.tolist(), lengths)
         ]
         cut = cut.tolist()
-        for row in range(0, len(decoded), num_samples):
-            outputs.append(decoded[row : row + num_samples])
-            counts.append(lengths[row : row + num_samples])
-            truncated.append(cut[row : row + num_samples])
+        for row in range(0, len(decoded), samples):
+            outputs.append(decoded[row : row + samples])
+            counts.append(lengths[row : row + samples])
+            truncated.append(cut[row : row + samples])
     model.train(was_training)
     return outputs, counts, truncated
 
@@ -178,6 +167,7 @@ def problem_scores(
     top_p: float = 1.0,
     batch_size: int = 64,
     format_reward: Callable | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
     (strict, lenient), completion token counts and truncations. `summarize` turns them into an
@@ -189,7 +179,12 @@ def problem_scores(
     ]
     if greedy:
         outputs, counts, cut = generate(
-            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            chat_template_kwargs=chat_template_kwargs,
         )
         completions = [group[0] for group in outputs]
         strict, lenient = score_completions(
@@ -209,6 +204,7 @@ def problem_scores(
             temperature=temperature,
             top_p=top_p,
             batch_size=batch_size,
+            chat_template_kwargs=chat_template_kwargs,
         )
         flat = [text for group in outputs for text in group]
         strict, lenient = score_completions(
@@ -284,6 +280,7 @@ def evaluate_math(
     batch_size: int = 64,
     format_reward: Callable | None = None,
     num_examples: int = 3,
+    chat_template_kwargs: dict | None = None,
 ) -> EvalReport:
     """Greedy pass@1 and/or sampled pass@k of `model` on `dataset` (`prompt` and `answer`).
 
@@ -295,6 +292,8 @@ def evaluate_math(
         temperature, top_p (`float`): sampling settings of pass@k.
         format_reward (callable, *optional*): a reward that must be 1 for "strict".
         num_examples (`int`): greedy completions kept in the report to read.
+        chat_template_kwargs (`dict`, *optional*): as the training run's (e.g. Qwen3's
+            `{"enable_thinking": False}`), so prompts are rendered the same way.
     """
     if num_samples and max(k_values) > num_samples:
         raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
@@ -309,6 +308,7 @@ def evaluate_math(
         top_p=top_p,
         batch_size=batch_size,
         format_reward=format_reward,
+        chat_template_kwargs=chat_template_kwargs,
     )
     return summarize(
         records,
@@ -327,6 +327,7 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
     from accelerate.utils import gather_object
     from trl.models import unwrap_model_for_generation
 
+    kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
     accelerator = trainer.accelerator
     indices = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
     with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
@@ -427,6 +428,7 @@ class PeriodicEvalCallback(TrainerCallback):
                 format_reward=self.format_reward,
                 batch_size=self.batch_size,
                 num_examples=0,
+                chat_template_kwargs=args.chat_template_kwargs,
             )
             self.record(state.global_step, report, model=model)
         return control

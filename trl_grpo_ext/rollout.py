@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
+from .generation.sampling import isolated_from_checkpoint
 from .objective import token_logprobs
 
 
@@ -114,40 +115,43 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def generate_with_transformers(
     model,
-    tokenizer,
-    prompt_texts: list[str],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     *,
     generation_config: GenerationConfig,
-    max_prompt_length: int | None = None,
     return_logprobs: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
-    Each prompt is tokenised and run through the model once (`_generate_groups`): its first
-    token is sampled G times from that one pass, and the rest of the group continues from the
-    prompt's cache repeated G times. The number of forward passes is that of one `generate`
-    call that expands each prompt into its group first, which encodes every prompt G times.
+    `generation_config` is used exactly as given: the model's own `generation_config` is hidden
+    meanwhile (`generation.isolated_from_checkpoint`), so nothing is filled in from the checkpoint.
+
+    Each prompt is run through the model once (`_generate_groups`): its first token is sampled
+    G times from that one pass, and the rest of the group continues from the prompt's cache
+    repeated G times. The number of forward passes is that of one `generate` call that expands
+    each prompt into its group first, which encodes every prompt G times.
 
     With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
     policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
     top-k/top-p), as the trainer computes them: no second forward pass. The raw logits of all
     steps are held until the end, `T x B*G x V` float32 values.
 
+    Args:
+        prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`
+            (`generation.PromptEncoder.encode`).
+
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
         `(B*G, T)`, and the log-probs `(B*G, T)` when `return_logprobs=True` (meaningful up to
         each completion's first eos).
     """
-    encoded = tokenizer(
-        prompt_texts,
-        return_tensors="pt",
-        padding=True,
-        padding_side="left",
-        add_special_tokens=False,
-    ).to(model.device)  # (B, P)
-    if max_prompt_length is not None:
-        # Left padding, so keeping the last tokens truncates long prompts from the left.
-        encoded = {key: value[:, -max_prompt_length:] for key, value in encoded.items()}
+    encoded = {"input_ids": prompt_ids, "attention_mask": prompt_mask}
+    encoded = {key: value.to(model.device) for key, value in encoded.items()}  # (B, P)
+    with isolated_from_checkpoint(model):
+        return _generate(model, encoded, generation_config, return_logprobs)
+
+
+def _generate(model, encoded, generation_config, return_logprobs):
     group_size = generation_config.num_return_sequences or 1
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
@@ -261,6 +265,25 @@ def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor
         return tensor
     filler = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype, device=tensor.device)
     return torch.cat([filler, tensor] if left else [tensor, filler], dim=1)
+
+
+def pad_rollout(rollout: Rollout, multiple: int, pad_token_id: int) -> Rollout:
+    """Pads prompts (left) and completions (right) to a multiple of `multiple` tokens
+    (`pad_to_multiple_of`: compilers that specialise on shapes then see few distinct ones)."""
+
+    def width(tensor):
+        return -(-tensor.shape[1] // multiple) * multiple
+
+    prompt_width, completion_width = width(rollout.prompt_ids), width(rollout.completion_ids)
+    rollout.prompt_ids = _pad_to(rollout.prompt_ids, prompt_width, pad_token_id, left=True)
+    rollout.prompt_mask = _pad_to(rollout.prompt_mask, prompt_width, 0, left=True)
+    rollout.completion_ids = _pad_to(
+        rollout.completion_ids, completion_width, pad_token_id, left=False
+    )
+    rollout.completion_mask = _pad_to(rollout.completion_mask, completion_width, 0, left=False)
+    if rollout.behaviour_logps is not None:
+        rollout.behaviour_logps = _pad_to(rollout.behaviour_logps, completion_width, 0.0, False)
+    return rollout
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:

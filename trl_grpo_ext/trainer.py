@@ -30,20 +30,19 @@ from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-    Trainer,
-    set_seed,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, set_seed
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import GroupRelativeConfig
+from .generation import (
+    PromptEncoder,
+    check_chat_template,
+    is_conversational,
+    sampling_config_from_args,
+)
 from .objective import group_advantages, policy_loss, weighted_rewards
 from .off_policy import off_policy_weights
 from .rollout import (
@@ -54,6 +53,7 @@ from .rollout import (
     eos_token_ids,
     generate_with_transformers,
     generation_seed,
+    pad_rollout,
     seeded,
 )
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
@@ -67,10 +67,6 @@ except ImportError:  # peft is a dependency; this keeps the import error where i
 
 def is_peft_model(model) -> bool:
     return bool(PeftModel) and isinstance(model, PeftModel)
-
-
-def is_conversational(prompt) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
 def _end_distributed_at_exit(trainer_ref) -> None:
@@ -143,9 +139,15 @@ class GroupRelativeTrainer(Trainer):
             )
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+            init_kwargs = {
+                "trust_remote_code": args.trust_remote_code,
+                **(args.model_init_kwargs or {}),
+            }
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(
+                model.config._name_or_path, trust_remote_code=args.trust_remote_code
+            )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
@@ -166,6 +168,7 @@ class GroupRelativeTrainer(Trainer):
                     f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
                     "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
                 )
+            check_chat_template(processing_class, dataset, split)
 
         if peft_config is not None:
             if is_peft_model(model):
@@ -173,6 +176,16 @@ class GroupRelativeTrainer(Trainer):
             model = get_peft_model(model, peft_config)
         if args.gradient_checkpointing and is_peft_model(model):
             model.enable_input_require_grads()
+        if args.sync_ref_model and is_peft_model(model):
+            raise ValueError(
+                "sync_ref_model=True needs full fine-tuning: under LoRA the reference model is "
+                "the base model with the adapters disabled, which cannot move towards the policy. "
+                "Set sync_ref_model=False, or train without peft_config."
+            )
+        if args.disable_dropout:
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
         self.ref_model = None
         if args.beta > 0 and not is_peft_model(model):
             # Full fine-tuning needs a frozen copy; under LoRA the base model with adapters
@@ -191,20 +204,22 @@ class GroupRelativeTrainer(Trainer):
         )
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+            if args.sync_ref_model:
+                from trl.trainer.callbacks import SyncRefModelCallback
+
+                self.add_callback(SyncRefModelCallback(self.ref_model, self.accelerator))
         self.eos_token_ids = eos_token_ids(model, processing_class)
-        self.generation_config = GenerationConfig(
-            do_sample=True,
-            max_new_tokens=args.max_completion_length,
-            num_return_sequences=args.num_generations,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k or None,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            pad_token_id=processing_class.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            **(args.generation_kwargs or {}),
+        self.prompt_encoder = PromptEncoder(
+            processing_class, args.max_prompt_length, args.chat_template_kwargs
         )
+        sampling = dict(eos_token_id=self.eos_token_ids, pad_token_id=processing_class.pad_token_id)
+        self.generation_config = sampling_config_from_args(
+            args, num_return_sequences=args.num_generations, **sampling
+        )
+        self.eval_generation_config = sampling_config_from_args(
+            args, num_return_sequences=args.num_generations_eval or args.num_generations, **sampling
+        )
+        self._sampling = self.generation_config  # the eval one inside evaluate()
         self._buffer: list[dict] | None = None
         self._pipeline: RolloutPipeline | None = None
         self._lookahead: list = []
@@ -285,16 +300,16 @@ class GroupRelativeTrainer(Trainer):
         """
         from trl.models import unwrap_model_for_generation
 
-        texts = [self._render_prompt(row["prompt"]) for row in rows]
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as policy:
+        prompt_ids, prompt_mask = self.prompt_encoder.encode([row["prompt"] for row in rows])
+        with unwrap_model_for_generation(
+            self.model_wrapped,
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+        ) as policy:
             was_training = policy.training
             policy.eval()
             prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                policy,
-                self.processing_class,
-                texts,
-                generation_config=self.generation_config,
-                max_prompt_length=self.args.max_prompt_length,
+                policy, prompt_ids, prompt_mask, generation_config=self._sampling
             )
             policy.train(was_training)
         return self._build_rollout(rows, prompt_ids, prompt_mask, completion_ids)
@@ -303,7 +318,7 @@ class GroupRelativeTrainer(Trainer):
         self, rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps=None, version=None
     ) -> Rollout:
         """A `Rollout` from sampled token ids: masks, decoded text, columns per completion."""
-        group_size = self.args.num_generations
+        group_size = len(completion_ids) // len(rows)
         prompts = [row["prompt"] for row in rows]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         pad = self.processing_class.pad_token_id
@@ -325,6 +340,8 @@ class GroupRelativeTrainer(Trainer):
             behaviour_logps=behaviour_logps,
             policy_version=self.state.global_step if version is None else version,
         )
+        if self.args.pad_to_multiple_of:
+            rollout = pad_rollout(rollout, self.args.pad_to_multiple_of, pad)
         decoded = self.processing_class.batch_decode(
             rollout.completion_id_lists(), skip_special_tokens=True
         )
@@ -434,17 +451,6 @@ class GroupRelativeTrainer(Trainer):
         signal = (batch["advantages"] != 0).unsqueeze(1) & batch["completion_mask"].bool()
         return not bool(signal.any())
 
-    def _render_prompt(self, prompt) -> str:
-        if not is_conversational(prompt):
-            return prompt
-        continue_final = prompt[-1]["role"] == "assistant"
-        return self.processing_class.apply_chat_template(
-            prompt,
-            tokenize=False,
-            add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-        )
-
     def _token_logprobs(self, model, batch, return_entropy=False):
         return completion_logprobs(
             model,
@@ -457,11 +463,18 @@ class GroupRelativeTrainer(Trainer):
 
     @torch.no_grad()
     def _logps_in_chunks(self, model, tensors, chunk_size):
+        """Log-probs of the sampling (or reference) policy, without gradient and with dropout
+        off: a dropout mask here would make the first ratio differ from 1 and clip for nothing."""
         rows = tensors["input_ids"].shape[0]
-        chunks = [
-            self._token_logprobs(model, {k: v[i : i + chunk_size] for k, v in tensors.items()})
-            for i in range(0, rows, chunk_size)
-        ]
+        was_training = model.training
+        model.eval()
+        try:
+            chunks = [
+                self._token_logprobs(model, {k: v[i : i + chunk_size] for k, v in tensors.items()})
+                for i in range(0, rows, chunk_size)
+            ]
+        finally:
+            model.train(was_training)
         return torch.cat(chunks)
 
     def _sample(self, rows: list[dict], index: int, round_index: int = 0) -> Rollout:
@@ -472,18 +485,18 @@ class GroupRelativeTrainer(Trainer):
             with seeded(seed, self.accelerator.device):
                 return self.generate_rollouts(rows)
         pipeline = self._rollout_pipeline()
-        texts = [self._render_prompt(row["prompt"]) for row in rows]
+        prompts = self.prompt_encoder.encode([row["prompt"] for row in rows])
         if round_index > 0:  # dynamic sampling: one more batch, now, with the current weights
             extra = -(index * (args.max_resample_rounds + 1) + round_index)  # never a step
             batch, staleness = pipeline.generate_now(
-                extra, self.state.global_step, self._trainable_weights, texts, seed
+                extra, self.state.global_step, self._trainable_weights, prompts, seed
             )
         else:
-            upcoming = {index: (texts, seed)}
+            upcoming = {index: (prompts, seed)}
             step_rows = self._lookahead[:: args.gradient_accumulation_steps]
             for ahead, future_rows in enumerate(step_rows, start=1):
                 upcoming[index + ahead] = (
-                    [self._render_prompt(row["prompt"]) for row in future_rows],
+                    self.prompt_encoder.encode([row["prompt"] for row in future_rows]),
                     generation_seed(args.seed, args.process_index, index + ahead),
                 )
             batch, staleness = pipeline.consume(index, self._trainable_weights, upcoming)
@@ -515,11 +528,7 @@ class GroupRelativeTrainer(Trainer):
                     stacklevel=2,
                 )
             worker = ProcessRolloutWorker(
-                model,
-                self.processing_class,
-                self.generation_config,
-                self.args.max_prompt_length,
-                threads=self.args.rollout_worker_threads,
+                model, self.generation_config, threads=self.args.rollout_worker_threads
             )
             self._pipeline = RolloutPipeline(worker, self.args.max_staleness)
             if model.device.type == "cpu":
@@ -715,14 +724,18 @@ class GroupRelativeTrainer(Trainer):
         chunk = max(self.args.prompts_per_generation, 1)
         sums = torch.zeros(len(self.reward_funcs) + 1, device=self.accelerator.device)
         counts = torch.zeros_like(sums)
-        for start in range(0, len(indices), chunk):
-            rows = [dataset[i] for i in indices[start : start + chunk]]
-            rewards = self.score_rollouts(self.generate_rollouts(rows)).to(sums.device)
-            total = weighted_rewards(rewards, self.reward_weights.to(sums.device))
-            values = torch.cat([total.unsqueeze(1), rewards], dim=1)  # (N, 1 + F)
-            valid = ~values.isnan()
-            sums += values.nan_to_num().sum(0)
-            counts += valid.sum(0)
+        self._sampling = self.eval_generation_config  # num_generations_eval completions
+        try:
+            for start in range(0, len(indices), chunk):
+                rows = [dataset[i] for i in indices[start : start + chunk]]
+                rewards = self.score_rollouts(self.generate_rollouts(rows)).to(sums.device)
+                total = weighted_rewards(rewards, self.reward_weights.to(sums.device))
+                values = torch.cat([total.unsqueeze(1), rewards], dim=1)  # (N, 1 + F)
+                valid = ~values.isnan()
+                sums += values.nan_to_num().sum(0)
+                counts += valid.sum(0)
+        finally:
+            self._sampling = self.generation_config
         sums = self.accelerator.reduce(sums, reduction="sum")
         counts = self.accelerator.reduce(counts, reduction="sum").clamp(min=1)
         means = (sums / counts).tolist()

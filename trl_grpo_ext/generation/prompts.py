@@ -1,0 +1,89 @@
+"""Prompts: rendering (chat templates) and tokenisation, the same for training and evaluation.
+
+A prompt is a string (standard) or a list of messages (conversational). Conversational prompts
+are rendered with the tokenizer's chat template, whose text already holds the special tokens the
+model expects, so they are tokenised without adding any. Plain strings are tokenised with the
+tokenizer's special tokens (the BOS token of Llama, Mistral and Gemma base models), as in TRL.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def is_conversational(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def check_chat_template(tokenizer, dataset, split: str = "train_dataset") -> None:
+    """Fails early when a conversational dataset meets a tokenizer without a chat template."""
+    if dataset is None or "prompt" not in (getattr(dataset, "column_names", None) or []):
+        return
+    if len(dataset) == 0 or not is_conversational(dataset[0]["prompt"]):
+        return
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{split} holds conversational prompts (lists of messages), but the tokenizer "
+            f"{type(tokenizer).__name__} has no chat template to render them. Use the tokenizer of "
+            "an instruction-tuned model, set tokenizer.chat_template, or give the prompts as "
+            "plain strings."
+        )
+
+
+class PromptEncoder:
+    """Renders and tokenises prompts into left-padded id tensors.
+
+    Args:
+        tokenizer: the tokenizer (its chat template renders conversational prompts).
+        max_prompt_length (`int`, *optional*): longer prompts keep their last tokens; the first
+            time this happens a warning says how many prompts of that batch were cut.
+        chat_template_kwargs (`dict`, *optional*): extra arguments of `apply_chat_template`
+            (e.g. `{"enable_thinking": False}` for Qwen3).
+    """
+
+    def __init__(self, tokenizer, max_prompt_length=None, chat_template_kwargs=None):
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.num_truncated = 0  # prompts cut so far
+
+    def render(self, prompt) -> str:
+        if not is_conversational(prompt):
+            return prompt
+        continue_final = prompt[-1]["role"] == "assistant"
+        return self.tokenizer.apply_chat_template(
+            prompt,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **self.chat_template_kwargs,
+        )
+
+    def encode(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(prompt_ids, prompt_mask)`, both `(B, P)`, left-padded."""
+        texts = [self.render(prompt) for prompt in prompts]
+        encoded = self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=not is_conversational(prompts[0]),
+        )
+        prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (B, P)
+        limit = self.max_prompt_length
+        if limit is not None and prompt_ids.shape[1] > limit:
+            cut = int((prompt_mask.sum(dim=1) > limit).sum())
+            if cut and not self.num_truncated:
+                warnings.warn(
+                    f"{cut} of {len(texts)} prompts in this batch are longer than "
+                    f"max_prompt_length={limit} tokens and were cut from the left (their first "
+                    "tokens dropped). Raise max_prompt_length, or set it to None to keep whole "
+                    "prompts; this warning is shown once per run.",
+                    stacklevel=2,
+                )
+            self.num_truncated += cut
+            # Left padding, so keeping the last tokens truncates long prompts from the left.
+            prompt_ids, prompt_mask = prompt_ids[:, -limit:], prompt_mask[:, -limit:]
+        return prompt_ids, prompt_mask
