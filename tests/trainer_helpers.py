@@ -26,10 +26,10 @@ def odd_first_byte(completions, **kwargs):
     return [float(ord(completion[0]) % 2) if completion else 0.0 for completion in completions]
 
 
-def lora_config(r: int = 8):
+def lora_config(r: int = 8, dropout: float = 0.0):
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear")
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules="all-linear")
 
 
 def make_trainer(
@@ -38,6 +38,7 @@ def make_trainer(
     reward_funcs=odd_first_byte,
     dataset=None,
     peft: bool = True,
+    peft_config=None,
     model=None,
     tokenizer=None,
     trainer_class=GroupRelativeTrainer,
@@ -67,7 +68,7 @@ def make_trainer(
         args=args,
         train_dataset=digit_sums() if dataset is None else dataset,
         processing_class=tokenizer,
-        peft_config=lora_config() if peft and model is not None else None,
+        peft_config=(peft_config or lora_config()) if peft and model is not None else None,
     )
 
 

@@ -1,0 +1,224 @@
+"""What `generate` samples is what the configuration says: never the checkpoint's own
+`generation_config`, in training, `evaluate()` and the evaluation harness alike. Prompts are
+rendered and tokenised the same way everywhere."""
+
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import processors
+from trainer_helpers import logged, lora_config, make_trainer
+from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
+from transformers.generation.utils import GenerationMixin
+
+from trl_grpo_ext import evaluation
+from trl_grpo_ext.generation import PromptEncoder, sampling_config
+from trl_grpo_ext.tiny import build_tiny_tokenizer, tiny_model_and_tokenizer
+
+
+@pytest.fixture
+def built_processors(monkeypatch):
+    """Records the logits processors of every `generate` call."""
+    calls = []
+    original = GenerationMixin._get_logits_processor
+
+    def recording(self, *args, **kwargs):
+        processors_ = original(self, *args, **kwargs)
+        calls.append(list(processors_))
+        return processors_
+
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", recording)
+    return calls
+
+
+def opinionated_model():
+    """The tiny model with a checkpoint generation config like Qwen2.5-Instruct's."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    model.generation_config.top_k = 20
+    model.generation_config.min_p = 0.05
+    model.generation_config.top_p = 0.8
+    model.generation_config.temperature = 0.7
+    model.generation_config.repetition_penalty = 1.05
+    return model, tokenizer
+
+
+def kinds(processor_list):
+    return {type(p) for p in processor_list}
+
+
+def test_training_samples_with_the_config_settings_not_the_checkpoints(tmp_path, built_processors):
+    model, tokenizer = opinionated_model()
+    trainer = make_trainer(
+        tmp_path, model=model, tokenizer=tokenizer, max_steps=1, temperature=0.9, top_p=0.95
+    )
+    trainer.train()
+    assert built_processors
+    for processor_list in built_processors:
+        # top_k=0 and min_p=None build no filter; repetition_penalty=1.0 none either.
+        assert kinds(processor_list) == {lp.TemperatureLogitsWarper, lp.TopPLogitsWarper}
+        temperature, top_p = processor_list
+        assert temperature.temperature == 0.9
+        assert top_p.top_p == 0.95
+    assert model.generation_config.top_k == 20  # the checkpoint's file is left as it was
+
+
+def test_generation_kwargs_override_the_sampling_fields(tmp_path, built_processors):
+    model, tokenizer = opinionated_model()
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        max_steps=1,
+        top_k=0,
+        generation_kwargs={"top_k": 7, "temperature": 0.5},
+    )
+    trainer.train()
+    for processor_list in built_processors:
+        assert kinds(processor_list) == {lp.TemperatureLogitsWarper, lp.TopKLogitsWarper}
+        by_kind = {type(p): p for p in processor_list}
+        assert by_kind[lp.TemperatureLogitsWarper].temperature == 0.5
+        assert by_kind[lp.TopKLogitsWarper].top_k == 7
+
+
+def test_evaluate_samples_num_generations_eval_with_the_training_settings(
+    tmp_path, built_processors
+):
+    model, tokenizer = opinionated_model()
+    seen = []
+
+    def count_completions(completions, **kwargs):
+        seen.append(len(completions))
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        reward_funcs=count_completions,
+        num_generations_eval=3,
+        per_device_train_batch_size=8,
+        temperature=0.9,
+    )
+    dataset = Dataset.from_list([{"prompt": f"{a}+1=", "answer": "x"} for a in range(4)])
+    metrics = trainer.evaluate(dataset)
+    assert metrics["eval_reward"] == 0.0
+    assert seen == [2 * 3, 2 * 3]  # 2 prompts per generation batch, 3 completions each
+    for processor_list in built_processors:
+        assert kinds(processor_list) == {lp.TemperatureLogitsWarper}
+
+
+def test_evaluation_harness_ignores_the_checkpoints_sampling_settings(built_processors):
+    model, tokenizer = opinionated_model()
+    evaluation.generate(
+        model, tokenizer, ["1+1="], max_new_tokens=2, num_samples=2, temperature=0.6
+    )
+    assert built_processors  # one call per step of prompt-once sampling
+    for sampled in built_processors:
+        assert kinds(sampled) == {lp.TemperatureLogitsWarper}
+        assert sampled[0].temperature == 0.6
+    built_processors.clear()
+    evaluation.generate(model, tokenizer, ["1+1="], max_new_tokens=2)  # greedy
+    (greedy,) = built_processors
+    assert greedy == []  # no repetition penalty, no filter: the argmax of the model's logits
+
+
+def test_sampling_config_sets_every_sampling_field():
+    config = sampling_config(max_new_tokens=4, eos_token_id=[2], pad_token_id=0)
+    assert (config.top_k, config.min_p, config.top_p, config.temperature) == (0, None, 1.0, 1.0)
+    assert config.do_sample and config.repetition_penalty == 1.0
+    greedy = sampling_config(max_new_tokens=4, eos_token_id=[2], pad_token_id=0, greedy=True)
+    assert not greedy.do_sample
+    assert isinstance(greedy, GenerationConfig)
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def bos_tokenizer():
+    """The tiny tokenizer, adding a BOS token (<|im_start|>) to plain text like Llama's."""
+    tokenizer = build_tiny_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    tokenizer.bos_token = "<|im_start|>"
+    return tokenizer, bos
+
+
+def test_plain_text_prompts_keep_the_bos_token_and_chat_prompts_get_none_added():
+    tokenizer, bos = bos_tokenizer()
+    ids, mask = PromptEncoder(tokenizer).encode(["1+1=", "10+10="])
+    first_real = ids[mask.bool()].tolist()[0]
+    assert first_real == bos and ids[1, 0] == bos
+    chat = [[{"role": "user", "content": "1+1="}]]
+    ids, _ = PromptEncoder(tokenizer).encode(chat)
+    assert ids[0].tolist().count(bos) == 2  # the template's two <|im_start|>, none added
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+    )
+    prompt = [{"role": "user", "content": "1+1="}]
+    assert PromptEncoder(tokenizer).render(prompt) == "1+1="
+    encoder = PromptEncoder(tokenizer, chat_template_kwargs={"enable_thinking": False})
+    assert encoder.render(prompt) == "1+1=<nothink>"
+
+
+def test_long_prompts_are_cut_from_the_left_with_one_warning():
+    tokenizer = build_tiny_tokenizer()
+    encoder = PromptEncoder(tokenizer, max_prompt_length=4)
+    with pytest.warns(UserWarning, match="2 of 3 prompts .* max_prompt_length=4"):
+        ids, mask = encoder.encode(["123456", "1234", "abcdefgh"])
+    assert tokenizer.decode(ids[0]) == "3456" and tokenizer.decode(ids[2]) == "efgh"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second cut says nothing
+        encoder.encode(["abcdefgh"])
+    assert encoder.num_truncated == 3
+
+
+def test_conversational_data_without_a_chat_template_fails_at_construction(tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    tokenizer.chat_template = None
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 4)
+    with pytest.raises(ValueError, match="no chat template"):
+        make_trainer(tmp_path, model=model, tokenizer=tokenizer, dataset=data)
+
+
+# ------------------------------------------------------------------------------ dropout
+
+
+def test_disable_dropout_makes_the_first_ratio_exactly_one(tmp_path):
+    trainer = make_trainer(
+        tmp_path,
+        peft_config=lora_config(dropout=0.5),
+        max_steps=2,
+        num_iterations=2,
+        disable_dropout=True,
+    )
+    dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0 for m in dropouts)
+    trainer.train()
+    assert logged(trainer, "ratio_mean")[0] == 1.0  # same weights, no dropout: no clipping
+    assert logged(trainer, "clip_ratio/region_mean")[0] == 0.0
+
+
+def test_no_grad_logprob_passes_run_without_dropout(tmp_path):
+    """Old and reference log-probs are those of the policy, not of one random dropout mask."""
+    trainer = make_trainer(tmp_path, peft_config=lora_config(dropout=0.5))
+    model = trainer.model.train()
+    batch = trainer._make_generation_batch(
+        [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4"}]
+    )[0]
+    batch = {key: value for key, value in batch.items() if key != "num_items_in_batch"}
+    first = trainer._logps_in_chunks(model, batch, 4)
+    second = trainer._logps_in_chunks(model, batch, 4)
+    assert torch.equal(first, second)
+    assert model.training  # the model is handed back in train mode
+    with torch.no_grad():
+        expected = trainer._token_logprobs(model.eval(), batch)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
