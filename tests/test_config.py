@@ -8,6 +8,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from trl_grpo_ext import GroupRelativeConfig
+from trl_grpo_ext.config import NOT_IMPLEMENTED, TRL_DIFFERENCES
 
 SHARED_YAML = """
 output_dir: OUTPUT
@@ -77,7 +78,7 @@ def test_shared_names_mean_the_same_defaults_as_trl(tmp_path):
     trl_fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
     ours_only = {field.name for field in dataclasses.fields(GroupRelativeConfig)} - trl_fields
     ours_only_expected = {
-        "num_completions_to_print", "max_prompt_length", "min_p", "dynamic_sampling",
+        "max_prompt_length", "dynamic_sampling",
         "max_resample_rounds", "max_staleness", "off_policy_correction", "off_policy_clip",
         "off_policy_min", "rollout_worker_threads",
     }  # fmt: skip
@@ -118,3 +119,123 @@ def test_generation_batch_size_sets_steps_per_generation(tmp_path):
     config = make(tmp_path, per_device_train_batch_size=8, generation_batch_size=32)
     assert config.steps_per_generation == 4
     assert config.prompts_per_generation == 4  # 32 completions / 8 per group
+
+
+def _default(field):
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def test_every_trl_field_exists_here_with_trls_default():
+    """A TRL user's config means the same here: every field of trl.GRPOConfig exists with TRL's
+    default, except the short table of documented differences."""
+    ours = {field.name: field for field in dataclasses.fields(GroupRelativeConfig)}
+    theirs = {field.name: field for field in dataclasses.fields(trl.GRPOConfig)}
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, missing
+    different = sorted(
+        name
+        for name, field in theirs.items()
+        if _default(ours[name]) != _default(field) and name not in TRL_DIFFERENCES
+    )
+    assert not different, [(n, _default(ours[n]), _default(theirs[n])) for n in different]
+    for name in TRL_DIFFERENCES:  # each documented difference is real
+        assert name not in theirs or _default(ours[name]) != _default(theirs[name]), name
+    assert set(TRL_DIFFERENCES) == {
+        "max_prompt_length",
+        "max_completion_length",
+        "gradient_checkpointing",
+    }
+
+
+def test_the_coming_from_trl_page_shows_the_table_of_differences():
+    import pathlib
+
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "coming-from-trl.md").read_text()
+    for name, reason in TRL_DIFFERENCES.items():
+        assert f"`{name}`" in page and reason in page, name
+    for name, instead in NOT_IMPLEMENTED.items():
+        assert f"`{name}`" in page and instead in page, name
+
+
+OPEN_R1_YAML = """
+model_name_or_path: OUTPUT/model
+dataset_name: gsm8k
+output_dir: OUTPUT/run
+use_vllm: false
+vllm_mode: colocate
+vllm_gpu_memory_utilization: 0.7
+scale_rewards: false
+num_generations: 4
+per_device_train_batch_size: 8
+max_completion_length: 64
+use_cpu: true
+bf16: false
+chat_template_kwargs: {enable_thinking: false}
+log_completions: true
+num_completions_to_print: 2
+"""
+
+
+def test_an_open_r1_style_yaml_parses_as_in_trl(tmp_path):
+    from trl import ModelConfig, TrlParser
+
+    from trl_grpo_ext.script_args import MathScriptArguments
+
+    path = tmp_path / "open_r1.yaml"
+    path.write_text(OPEN_R1_YAML.replace("OUTPUT", str(tmp_path)))
+    parser = TrlParser((MathScriptArguments, GroupRelativeConfig, ModelConfig))
+    _, config, _ = parser.parse_args_and_config(
+        ["--config", str(path), "--model_init_kwargs", '{"dtype": "float32"}']
+    )
+    assert config.use_vllm is False and config.vllm_gpu_memory_utilization == 0.7
+    assert config.scale_rewards == "none"
+    assert config.model_init_kwargs == {"dtype": "float32"}
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    (theirs,) = HfArgumentParser(trl.GRPOConfig).parse_dict(
+        {
+            k: v
+            for k, v in yaml.safe_load(path.read_text()).items()
+            if k not in ("model_name_or_path", "dataset_name")
+        },
+    )
+    assert theirs.scale_rewards == config.scale_rewards
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(True, "group"), (False, "none"), ("true", "group"), ("false", "none")]
+)
+def test_scale_rewards_accepts_booleans_as_trl(tmp_path, value, expected):
+    assert make(tmp_path, scale_rewards=value).scale_rewards == expected
+
+
+def test_json_strings_of_dict_fields_are_parsed_or_refused_clearly(tmp_path):
+    config = make(
+        tmp_path, model_init_kwargs='{"dtype": "float32"}', generation_kwargs='{"top_k": 5}'
+    )
+    assert config.model_init_kwargs == {"dtype": "float32"}
+    assert config.generation_kwargs == {"top_k": 5}
+    with pytest.raises(ValueError, match="model_init_kwargs=.* not valid JSON"):
+        make(tmp_path, model_init_kwargs="{dtype: float32}")
+    with pytest.raises(ValueError, match="must be a mapping"):
+        make(tmp_path, chat_template_kwargs="[1, 2]")
+
+
+@pytest.mark.parametrize("name", sorted(NOT_IMPLEMENTED))
+def test_unimplemented_trl_settings_are_errors_that_say_what_to_do(tmp_path, name):
+    field = {f.name: f for f in dataclasses.fields(GroupRelativeConfig)}[name]
+    value = {bool: True, type(None): 1}.get(type(_default(field)), 0.5)
+    if name == "transformers_continuous_batching_config":
+        value = {"max_batch_tokens": 8}
+    with pytest.raises(
+        ValueError, match=f"{name}=.*does not implement yet; {NOT_IMPLEMENTED[name][:20]}"
+    ):
+        make(tmp_path, **{name: value})
+
+
+def test_pad_to_multiple_of_auto_pads_nowhere_but_neuron(tmp_path):
+    assert make(tmp_path).pad_to_multiple_of is None
+    assert make(tmp_path, pad_to_multiple_of="16").pad_to_multiple_of == 16
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        make(tmp_path, pad_to_multiple_of=0)
