@@ -222,3 +222,88 @@ def test_no_grad_logprob_passes_run_without_dropout(tmp_path):
     with torch.no_grad():
         expected = trainer._token_logprobs(model.eval(), batch)
     torch.testing.assert_close(first, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- other TRL fields
+
+
+def test_remote_code_runs_only_when_asked(tmp_path, tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = []
+    for auto in (AutoModelForCausalLM, AutoTokenizer):
+        original = auto.from_pretrained.__func__
+
+        def recording(cls, path, *args, _original=original, **kwargs):
+            calls.append((cls.__name__, kwargs.get("trust_remote_code")))
+            return _original(cls, path, *args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", classmethod(recording))
+    make_trainer(tmp_path, model=None, peft=False)  # built in memory: nothing loaded
+    assert calls == []
+    from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+
+    for trust in (False, True):
+        calls.clear()
+        args = GroupRelativeConfig(
+            str(tmp_path), num_generations=4, per_device_train_batch_size=8, report_to="none",
+            trust_remote_code=trust,
+        )  # fmt: skip
+        GroupRelativeTrainer(
+            tiny_model_dir, lambda completions, **_: [0.0] * len(completions), args=args
+        )
+        assert calls == [("AutoModelForCausalLM", trust), ("AutoTokenizer", trust)]
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
+    trainer = make_trainer(
+        tmp_path,
+        peft=False,
+        beta=0.1,
+        sync_ref_model=True,
+        ref_model_mixup_alpha=0.5,
+        ref_model_sync_steps=1,
+        max_steps=1,
+    )
+    reference_before = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    policy = dict(trainer.model.named_parameters())
+    moved = 0
+    for name, value in trainer.ref_model.named_parameters():
+        expected = 0.5 * reference_before[name] + 0.5 * policy[name].detach()
+        torch.testing.assert_close(value, expected)
+        moved += not torch.equal(value, reference_before[name])
+    assert moved  # the policy did change, and the reference followed half way
+
+
+def test_sync_ref_model_under_lora_says_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="sync_ref_model=True needs full fine-tuning"):
+        make_trainer(tmp_path, beta=0.1, sync_ref_model=True)
+
+
+def test_pad_to_multiple_of_pads_without_changing_the_training(tmp_path):
+    def run(name, **config):
+        # SGD: Adam's normalisation would blow float rounding of tiny gradients up to lr.
+        trainer = make_trainer(
+            tmp_path / name, max_steps=2, max_completion_length=3, optim="sgd", **config
+        )
+        batches = []
+        original = trainer.compute_objective
+
+        def recording(model, batch):
+            batches.append(batch)
+            return original(model, batch)
+
+        trainer.compute_objective = recording
+        trainer.train()
+        weights = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        return batches, weights, logged(trainer, "loss")
+
+    padded, padded_weights, padded_loss = run("padded", pad_to_multiple_of=8)
+    plain, plain_weights, plain_loss = run("plain")
+    for batch in padded:
+        assert batch["input_ids"].shape[1] % 8 == 0 and batch["completion_ids"].shape[1] == 8
+    assert plain[0]["completion_ids"].shape[1] == 3
+    assert padded_loss == pytest.approx(plain_loss, abs=1e-6)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(padded_weights[name], value, rtol=1e-5, atol=1e-6)
