@@ -2,14 +2,26 @@
 
 import json
 import os
+import shutil
+import warnings
 
 import pytest
 import torch
 import yaml
-from trainer_helpers import make_trainer
+from safetensors import safe_open
+from safetensors.torch import load_file
+from trainer_helpers import digit_sums, logged, make_trainer
 from transformers import TrainerCallback
 
-from trl_grpo_ext.checkpoints import last_complete_checkpoint
+from trl_grpo_ext.async_rollout import GeneratedBatch
+from trl_grpo_ext.checkpoints import (
+    InFlightBatch,
+    RolloutState,
+    last_complete_checkpoint,
+    load_rollout_state,
+    save_rollout_state,
+)
+from trl_grpo_ext.rollout import generation_seed
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
@@ -166,3 +178,237 @@ def test_checkpoints_are_not_pushed_and_the_token_is_not_saved(tmp_path, monkeyp
     trainer.push_to_hub()
     (pushed,) = uploads
     assert pushed["repo_id"] == "someone/tiny"
+
+
+# ----------------------------------------------------------------------------- rollout state
+
+# Generation windows of 4 optimizer steps (4 micro-batches, each trained on twice) over 4 prompts:
+# one window per epoch, so the 6 steps also cross an epoch (checkpoint 4).
+WINDOW = dict(
+    max_steps=6,
+    gradient_accumulation_steps=2,
+    steps_per_generation=4,
+    num_iterations=2,
+    learning_rate=3e-3,  # small enough that the second pass over a micro-batch is not all clipped
+    per_device_train_batch_size=4,
+    num_generations=4,
+    save_strategy="steps",
+    save_steps=1,
+)
+
+
+def first_byte(completions, **kwargs):
+    """The first character's code point / 100: groups rarely tie, so every step trains."""
+    return [ord(completion[0]) / 100 if completion else 0.0 for completion in completions]
+
+
+# Asynchronous rollouts one step ahead: 2 prompts per step, 4 steps per epoch over 9 prompts.
+ASYNC = dict(
+    max_steps=6,
+    max_staleness=1,
+    reward_funcs=first_byte,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    save_strategy="steps",
+    save_steps=1,
+)
+
+
+def step_logs(trainer):
+    """The per-step log entries (loss and metrics), without the run summary."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def straight(folder, config, dataset):
+    trainer = make_trainer(folder, dataset=dataset, **config)
+    trainer.train()
+    return trainer, trained_weights(trainer), folder
+
+
+def resumed(folder, checkpoint, config, dataset, **overrides):
+    trainer = make_trainer(
+        folder, dataset=dataset, **{**config, "save_strategy": "no", **overrides}
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return trainer
+
+
+def assert_identical_runs(step, straight_run, resumed_trainer, ignore=()):
+    trainer, weights, _ = straight_run
+    resumed_weights = trained_weights(resumed_trainer)
+    different = [name for name in weights if not torch.equal(weights[name], resumed_weights[name])]
+    assert not different, f"resumed from step {step}: {len(different)} tensors differ"
+
+    def logs(run):
+        return [{k: v for k, v in entry.items() if k not in ignore} for entry in step_logs(run)]
+
+    assert logs(resumed_trainer) == logs(trainer), f"resumed from step {step}"
+
+
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory):
+    return straight(tmp_path_factory.mktemp("window"), WINDOW, digit_sums(2))
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    return straight(tmp_path_factory.mktemp("async"), ASYNC, digit_sums(3))
+
+
+def test_resume_inside_a_generation_window_is_bit_identical(tmp_path, window_run):
+    """Checkpoints 1-3 and 5 fall inside a window: the buffered rollouts, not new ones, are
+    trained on after the resume. (Before the fix, steps 1, 2, 3, 5 differed by up to 1e-2.)"""
+    trainer, _, folder = window_run
+    assert all(norm > 0 for norm in logged(trainer, "grad_norm"))  # every step trains
+    for step in range(1, 6):
+        run = resumed(tmp_path / str(step), folder / f"checkpoint-{step}", WINDOW, digit_sums(2))
+        assert_identical_runs(step, window_run, run)
+
+
+def test_asynchronous_resume_is_bit_identical(tmp_path, async_run):
+    """The batch in flight at each checkpoint (sampled by weights one step older) comes back from
+    the checkpoint; the batches after it are sampled by the same weights versions as before."""
+    trainer, _, folder = async_run
+    assert all(norm > 0 for norm in logged(trainer, "grad_norm"))
+    # Step 4 starts an epoch: its batch was not known one step ahead, so it is fresh.
+    assert logged(trainer, "async/staleness") == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    for step in range(1, 6):
+        run = resumed(tmp_path / str(step), folder / f"checkpoint-{step}", ASYNC, digit_sums(3))
+        assert_identical_runs(step, async_run, run)
+
+
+def test_resume_between_logging_steps_keeps_the_metrics_gathered_since_the_last_log(tmp_path):
+    """Checkpoint 3 falls between logs: the metrics of step 3 (its rewards and loss terms) are
+    saved and logged at step 4 with those of step 4. Only the Trainer's own `loss`, which it
+    does not checkpoint, averages over step 4 alone."""
+    config = {**WINDOW, "logging_steps": 2}
+    run = straight(tmp_path / "straight", config, digit_sums(2))
+    again = resumed(
+        tmp_path / "resumed", tmp_path / "straight" / "checkpoint-3", config, digit_sums(2)
+    )
+    assert_identical_runs(3, run, again, ignore=("loss",))
+
+
+def test_checkpoint_files_hold_the_buffered_micro_batches_and_in_flight_prompts(
+    window_run, async_run
+):
+    _, _, folder = window_run
+    with open(folder / "checkpoint-1" / "rollout_buffer.json") as handle:
+        manifest = json.load(handle)
+    keys = ["input_ids", "attention_mask", "completion_ids", "completion_mask", "advantages"]
+    keys += ["old_logps", "num_items_in_batch"]
+    assert [entry["keys"] for entry in manifest["micro_batches"]] == [keys] * 4
+    assert all(entry["values"] == {} for entry in manifest["micro_batches"])  # all tensors
+    tensors = load_file(folder / "checkpoint-1" / "rollout_buffer.safetensors")
+    assert set(tensors) == {f"micro_batch.{i}.{key}" for i in range(4) for key in keys}
+    assert tensors["micro_batch.0.input_ids"].shape == (
+        4,
+        tensors["micro_batch.0.input_ids"].shape[1],
+    )
+    for step in range(2):  # each micro-batch carries the completion tokens of its optimizer step
+        masks = [tensors[f"micro_batch.{i}.completion_mask"] for i in (2 * step, 2 * step + 1)]
+        for i in (2 * step, 2 * step + 1):
+            assert tensors[f"micro_batch.{i}.num_items_in_batch"].shape == ()
+            assert tensors[f"micro_batch.{i}.num_items_in_batch"] == sum(m.sum() for m in masks)
+    # Checkpoint 4 ends the window: the next step samples afresh, nothing is buffered.
+    with open(folder / "checkpoint-4" / "rollout_buffer.json") as handle:
+        assert json.load(handle)["micro_batches"] is None
+
+    _, _, folder = async_run
+    with open(folder / "checkpoint-2" / "rollout_buffer.json") as handle:
+        (in_flight,) = json.load(handle)["in_flight"]
+    assert in_flight["index"] == 2 and in_flight["version"] == 1  # sampled after step 1
+    assert in_flight["seed"] == generation_seed(0, 0, 2)
+    prompts = set(digit_sums(3)["prompt"])
+    assert len(in_flight["prompt_texts"]) == 2 and set(in_flight["prompt_texts"]) <= prompts
+    tensors = load_file(folder / "checkpoint-2" / "rollout_buffer.safetensors")
+    assert set(tensors) == {
+        f"in_flight.2.{name}"
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "behaviour_logps")
+    }
+    assert tensors["in_flight.2.completion_ids"].shape[0] == 8  # 2 prompts x 4 completions
+
+
+def test_rollout_state_round_trips_tensors_exactly_and_other_values_as_json(tmp_path):
+    micro_batches = [
+        {
+            "input_ids": torch.tensor([[3, 1, 4]]),
+            "logps": torch.randn(1, 3, dtype=torch.bfloat16),
+            "mask": torch.tensor([[True, False, True]]),
+            "num_items_in_batch": torch.tensor(5.0),
+            "prompts": ["1+2="],
+            "note": {"round": 2, "scale": 0.5, "extra": None},
+        },
+        {"input_ids": torch.arange(6).view(2, 3)[1:], "prompts": ["2+2=", "π"]},  # a view
+    ]
+    generated = GeneratedBatch(7, 5, *(torch.randn(2, 3) for _ in range(4)))
+    state = RolloutState(
+        global_step=6,
+        micro_batches=micro_batches,
+        in_flight={7: InFlightBatch(["a", "b"], 11, generated)},
+        metrics={"reward": [0.5, float("nan")]},
+        staleness_counts={1: 3},
+    )
+    save_rollout_state(str(tmp_path), state)
+    with safe_open(tmp_path / "rollout_buffer.safetensors", "pt") as handle:
+        assert sorted(handle.keys()) == sorted(
+            [f"micro_batch.0.{k}" for k in ("input_ids", "logps", "mask", "num_items_in_batch")]
+            + ["micro_batch.1.input_ids"]
+            + [f"in_flight.7.{k}" for k in ("prompt_ids", "prompt_mask", "completion_ids")]
+            + ["in_flight.7.behaviour_logps"]
+        )
+    with open(tmp_path / "rollout_buffer.json") as handle:
+        stored = json.load(handle)["micro_batches"]
+    assert stored[0]["values"] == {
+        "prompts": ["1+2="],
+        "note": {"round": 2, "scale": 0.5, "extra": None},
+    }
+    assert stored[1] == {"keys": ["input_ids", "prompts"], "values": {"prompts": ["2+2=", "π"]}}
+    loaded = load_rollout_state(str(tmp_path))
+    assert loaded.global_step == 6 and loaded.staleness_counts == {1: 3}
+    assert loaded.metrics["reward"][0] == 0.5 and loaded.metrics["reward"][1] != 0.5
+    for original, restored in zip(micro_batches, loaded.micro_batches):
+        assert list(restored) == list(original)
+        for key, value in original.items():
+            if isinstance(value, torch.Tensor):
+                assert restored[key].dtype == value.dtype and torch.equal(restored[key], value)
+            else:
+                assert restored[key] == value
+    batch = loaded.in_flight[7]
+    assert (batch.prompt_texts, batch.seed, batch.batch.index, batch.batch.version) == (
+        ["a", "b"], 11, 7, 5,
+    )  # fmt: skip
+    assert torch.equal(batch.batch.behaviour_logps, generated.behaviour_logps)
+
+    with pytest.raises(TypeError, match=r"micro-batch 0, key 'rows'.*set"):
+        save_rollout_state(str(tmp_path), RolloutState(1, [{"rows": {1, 2}}]))
+    assert load_rollout_state(str(tmp_path / "elsewhere")) is None
+
+
+def without_rollout_state(checkpoint, copy_to):
+    """A copy of `checkpoint` as an older version wrote it: no rollout files."""
+    shutil.copytree(checkpoint, copy_to)
+    for name in ("rollout_buffer.json", "rollout_buffer.safetensors"):
+        os.remove(copy_to / name)
+    return copy_to
+
+
+def test_a_checkpoint_without_rollout_state_resumes_with_a_warning(tmp_path, window_run):
+    _, _, folder = window_run
+    inside = without_rollout_state(folder / "checkpoint-2", tmp_path / "checkpoint-2")
+    with pytest.warns(UserWarning, match="holds no rollout buffer"):
+        run = resumed(tmp_path / "inside", inside, WINDOW, digit_sums(2))
+    assert run.state.global_step == 6
+    boundary = without_rollout_state(folder / "checkpoint-4", tmp_path / "checkpoint-4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing is lost at a window's end
+        run = resumed(tmp_path / "boundary", boundary, WINDOW, digit_sums(2))
+    assert_identical_runs(4, window_run, run)
+
+
+def test_in_flight_batches_for_other_prompts_are_sampled_again(tmp_path, async_run):
+    """Without the data skip, the loader restarts the epoch: the saved batch of step 2 belongs to
+    other prompts, so it is not trained on with these."""
+    _, _, folder = async_run
+    with pytest.warns(UserWarning, match="sampled for other prompts"):
+        resumed(tmp_path, folder / "checkpoint-2", ASYNC, digit_sums(3), ignore_data_skip=True)

@@ -1,10 +1,62 @@
-"""Finding the checkpoint to resume from, skipping those whose writing was interrupted."""
+"""Checkpoints: finding the one to resume from, and the rollout state they carry.
+
+A GRPO optimizer step trains on rollouts sampled earlier: the rest of a generation window
+(`steps_per_generation > gradient_accumulation_steps`, or `num_iterations > 1`) and, with
+`max_staleness`, the batches the rollout worker was asked for ahead of time. Sampled again after a
+resume, with the restored (newer) weights, they would be other rollouts and the resumed run would
+silently leave the uninterrupted one. So each checkpoint also holds, per process:
+
+- `rollout_buffer.safetensors`: the tensors (`rollout_buffer_<rank>.*` with several processes);
+  `micro_batch.<i>.<key>` for micro-batch `i` of the buffered generation batch (only when the
+  checkpoint falls inside a window), `in_flight.<index>.<field>` for each in-flight batch;
+- `rollout_buffer.json`: the rest: the keys of each micro-batch and its non-tensor values, the
+  prompt texts, seed and weights version of each in-flight batch, and the metrics gathered since
+  the last log.
+
+The guarantee: resuming from any checkpoint, with the same configuration and
+`ignore_data_skip=False` (the default), trains on the same rollouts as the uninterrupted run. On
+the same hardware and software (tested on CPU) the weights, optimizer state and logged metrics are
+bit-identical. One exception, from `transformers.Trainer` itself: its `loss` log averages over the
+steps since the last log in this process, so it matches only when checkpoints fall on logging
+steps (`save_steps` a multiple of `logging_steps`); our metrics gathered since the last log are
+saved, so they match in any case. The per-completion table printed with `log_completions` is not
+saved (the first log after a resume inside a window prints none).
+
+- Synchronous mode: the buffer holds the generation batch as trained on: token ids, masks,
+  advantages, the sampling policy's (and reference) log-probs and the token count of each optimizer
+  step; the data loader, fast-forwarded by the Trainer past `global_step * accumulation` prompt
+  batches, sits on the same slot of the window (it repeats each generation batch's prompts once per
+  micro-batch slot), and the next generation batch is sampled from its own seed. With
+  `ignore_data_skip=True` the saved window is still finished (it is self-contained); the prompts
+  after it come from the restarted epoch, as asked.
+- Asynchronous mode (`max_staleness=k`): the worker handles messages in order, so which weights
+  generate batch j is fixed by the schedule (those of step j - k, or later at an epoch's start),
+  not by timing. Saving waits for the batches in flight (submitted, not yet trained on; at most k)
+  and stores their tokens, behaviour log-probs and weights version; the resumed trainer serves
+  them instead of sampling them again, and every later batch is submitted after the same weights
+  as before. The prompt rows pulled ahead are not stored: the fast-forwarded loader yields them
+  again. The in-flight batches' prompt texts and seeds are stored to check that: a batch whose
+  prompts differ (`ignore_data_skip=True`, another dataset) is generated again, with a warning.
+
+A checkpoint written before these files existed still resumes: a window in progress, or batches
+in flight, are sampled again with the restored weights, with a warning.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .async_rollout import GeneratedBatch
+
+ROLLOUT_STATE_NAME = "rollout_buffer"
+ROLLOUT_STATE_FORMAT = 1
+_GENERATED_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "behaviour_logps")
 
 
 def is_complete_checkpoint(path: str) -> bool:
@@ -15,6 +67,12 @@ def is_complete_checkpoint(path: str) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def checkpoint_step(path: str) -> int:
+    """The optimizer steps a complete checkpoint has seen (`global_step` of its trainer state)."""
+    with open(os.path.join(path, "trainer_state.json")) as handle:
+        return int(json.load(handle)["global_step"])
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
@@ -33,3 +91,210 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
             f"Skipping {path}: its writing was interrupted (left in place).", stacklevel=3
         )
     return None
+
+
+# ----------------------------------------------------------------------------- rollout state
+
+
+@dataclass
+class InFlightBatch:
+    """A batch the rollout worker was asked for, with the request that produced it."""
+
+    prompt_texts: list[str]
+    seed: int
+    batch: GeneratedBatch
+
+
+@dataclass
+class RolloutState:
+    """What the next optimizer steps train on beyond weights, optimizer and data position.
+
+    Args:
+        global_step (`int`): the optimizer steps taken when it was saved.
+        micro_batches (`list[dict]`, *optional*): the buffered generation batch, one dict per
+            micro-batch; None when the next step starts a new generation batch.
+        in_flight (`dict[int, InFlightBatch]`): asynchronous mode: the batches submitted to the
+            rollout worker and not trained on yet, by optimizer step.
+        metrics (`dict[str, list[float]]`): metrics gathered since the last log.
+        staleness_counts (`dict[int, int]`): the staleness histogram since the last log.
+    """
+
+    global_step: int
+    micro_batches: list[dict] | None = None
+    in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    staleness_counts: dict[int, int] = field(default_factory=dict)
+
+
+def rollout_state_paths(
+    checkpoint: str, process_index: int = 0, world_size: int = 1
+) -> tuple[str, str]:
+    """The `.safetensors` and `.json` files of one process's rollout state."""
+    stem = ROLLOUT_STATE_NAME if world_size <= 1 else f"{ROLLOUT_STATE_NAME}_{process_index}"
+    return os.path.join(checkpoint, f"{stem}.safetensors"), os.path.join(checkpoint, f"{stem}.json")
+
+
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    # Micro-batches are views of one tensor; safetensors wants each in storage of its own.
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _json_value(value, where: str):
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{where} holds a {type(value).__name__}, which a checkpoint cannot store: micro-batch "
+            "values must be tensors or JSON values (str, numbers, bools, None, lists, dicts)."
+        ) from error
+    return value
+
+
+def save_rollout_state(
+    output_dir: str, state: RolloutState, process_index: int = 0, world_size: int = 1
+) -> None:
+    """Writes `state` into the checkpoint folder: tensors as safetensors, the rest as JSON.
+
+    Tensors keep their dtype and shape (0-d ones included). Other values of a micro-batch are
+    stored as JSON, so tuples come back as lists; a value JSON cannot hold raises `TypeError`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    micro_batches = None
+    if state.micro_batches is not None:
+        micro_batches = []
+        for i, batch in enumerate(state.micro_batches):
+            values = {}
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"micro_batch.{i}.{key}"] = _stored(value)
+                else:
+                    values[key] = _json_value(value, f"micro-batch {i}, key {key!r},")
+            micro_batches.append({"keys": list(batch), "values": values})
+    in_flight = []
+    for index, pending in sorted(state.in_flight.items()):
+        for name in _GENERATED_FIELDS:
+            tensors[f"in_flight.{index}.{name}"] = _stored(getattr(pending.batch, name))
+        in_flight.append(
+            {
+                "index": index,
+                "version": pending.batch.version,
+                "seed": pending.seed,
+                "prompt_texts": list(pending.prompt_texts),
+            }
+        )
+    manifest = {
+        "format": ROLLOUT_STATE_FORMAT,
+        "global_step": state.global_step,
+        "micro_batches": micro_batches,
+        "in_flight": in_flight,
+        "metrics": {name: list(values) for name, values in state.metrics.items()},
+        "staleness_counts": {str(k): v for k, v in state.staleness_counts.items()},
+    }
+    tensor_path, json_path = rollout_state_paths(output_dir, process_index, world_size)
+    os.makedirs(output_dir, exist_ok=True)
+    save_file(tensors, tensor_path)
+    with open(json_path, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+
+
+def load_rollout_state(
+    checkpoint: str, device=None, process_index: int = 0, world_size: int = 1
+) -> RolloutState | None:
+    """The rollout state saved in `checkpoint`, micro-batch tensors on `device` (in-flight batches
+    stay on the CPU, where the worker returns them); None for a checkpoint without one."""
+    tensor_path, json_path = rollout_state_paths(checkpoint, process_index, world_size)
+    if not os.path.isfile(json_path):
+        return None
+    with open(json_path) as handle:
+        manifest = json.load(handle)
+    if manifest.get("format") != ROLLOUT_STATE_FORMAT:
+        raise ValueError(
+            f"{json_path} has format {manifest.get('format')!r}; this version of trl_grpo_ext "
+            f"reads format {ROLLOUT_STATE_FORMAT}."
+        )
+    tensors = load_file(tensor_path)
+    micro_batches = None
+    if manifest["micro_batches"] is not None:
+        micro_batches = [
+            {
+                key: entry["values"][key]
+                if key in entry["values"]
+                else tensors[f"micro_batch.{i}.{key}"].to(device)
+                for key in entry["keys"]
+            }
+            for i, entry in enumerate(manifest["micro_batches"])
+        ]
+    in_flight = {}
+    for entry in manifest["in_flight"]:
+        index = entry["index"]
+        generated = [tensors[f"in_flight.{index}.{name}"] for name in _GENERATED_FIELDS]
+        in_flight[index] = InFlightBatch(
+            entry["prompt_texts"],
+            entry["seed"],
+            GeneratedBatch(index, entry["version"], *generated),
+        )
+    return RolloutState(
+        global_step=manifest["global_step"],
+        micro_batches=micro_batches,
+        in_flight=in_flight,
+        metrics=manifest["metrics"],
+        staleness_counts={int(k): v for k, v in manifest["staleness_counts"].items()},
+    )
+
+
+class ResumableWorker:
+    """Wraps a rollout worker so that its in-flight batches can be checkpointed and restored.
+
+    It remembers the prompts and seed of each batch submitted and not yet taken. `in_flight()`
+    waits for those batches and keeps them for `result`; a worker built with `restored` batches
+    serves one of them, instead of generating it, when it is submitted with the same prompts and
+    seed.
+
+    Args:
+        worker (`RolloutWorker`): the worker that generates.
+        restored (`dict[int, InFlightBatch]`, *optional*): batches from a checkpoint.
+    """
+
+    def __init__(self, worker, restored: dict[int, InFlightBatch] | None = None):
+        self.worker = worker
+        self._restored = dict(restored or {})
+        self._requests: dict[int, tuple[list[str], int]] = {}
+        self._finished: dict[int, GeneratedBatch] = {}
+
+    def update_weights(self, version, weights):
+        self.worker.update_weights(version, weights)
+
+    def submit(self, index, prompt_texts, seed):
+        request = (list(prompt_texts), seed)
+        self._requests[index] = request
+        restored = self._restored.pop(index, None)
+        if restored is not None:
+            if (restored.prompt_texts, restored.seed) == request:
+                self._finished[index] = restored.batch
+                return
+            warnings.warn(
+                f"The checkpoint's batch for step {index} was sampled for other prompts (was "
+                "ignore_data_skip set, or the dataset changed?): sampling it again with the "
+                "restored weights, so this run leaves the uninterrupted one.",
+                stacklevel=2,
+            )
+        self.worker.submit(index, *request)
+
+    def result(self, index) -> GeneratedBatch:
+        self._requests.pop(index, None)
+        if index in self._finished:
+            return self._finished.pop(index)
+        return self.worker.result(index)
+
+    def in_flight(self) -> dict[int, InFlightBatch]:
+        """The batches submitted and not taken yet; waits until the worker has generated them."""
+        for index in self._requests:
+            if index not in self._finished:
+                self._finished[index] = self.worker.result(index)
+        return {
+            index: InFlightBatch(texts, seed, self._finished[index])
+            for index, (texts, seed) in sorted(self._requests.items())
+        }
+
+    def close(self):
+        self.worker.close()

@@ -35,7 +35,15 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
-from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
+from .checkpoints import (
+    ResumableWorker,
+    RolloutState,
+    checkpoint_step,
+    is_complete_checkpoint,
+    last_complete_checkpoint,
+    load_rollout_state,
+    save_rollout_state,
+)
 from .config import GroupRelativeConfig
 from .generation import (
     PromptEncoder,
@@ -116,6 +124,8 @@ class GroupRelativeTrainer(Trainer):
     _tag_names = ["trl_grpo_ext", "grpo"]
     # compute_objective already scales the loss for gradient accumulation (see its docstring).
     loss_is_scaled_for_ga = True
+    # In-flight batches restored from a checkpoint, for the next rollout worker (`train`).
+    _resumed_rollouts: dict | None = None
 
     def __init__(
         self,
@@ -530,6 +540,9 @@ class GroupRelativeTrainer(Trainer):
             worker = ProcessRolloutWorker(
                 model, self.generation_config, threads=self.args.rollout_worker_threads
             )
+            # Its in-flight batches go into checkpoints (`_save_rng_state`).
+            worker = ResumableWorker(worker, restored=self._resumed_rollouts)
+            self._resumed_rollouts = None
             self._pipeline = RolloutPipeline(worker, self.args.max_staleness)
             if model.device.type == "cpu":
                 # Generation and training overlap only if they do not fight over the cores.
@@ -766,6 +779,8 @@ class GroupRelativeTrainer(Trainer):
                 f"{resume_from_checkpoint} is not a complete checkpoint (no readable "
                 "trainer_state.json: its writing was interrupted). Resume from an earlier one."
             )
+        if resume_from_checkpoint is not None:
+            self._restore_rollout_state(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
@@ -774,6 +789,48 @@ class GroupRelativeTrainer(Trainer):
                 self._pipeline = None
                 if self._threads_before_async:
                     torch.set_num_threads(self._threads_before_async)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Also writes the rollout state (`checkpoints.save_rollout_state`): here every process
+        writes its own, before `trainer_state.json` marks the checkpoint complete."""
+        super()._save_rng_state(output_dir)
+        args = self.args
+        window = args.steps_per_generation * args.num_iterations
+        inside_window = self.state.global_step * args.gradient_accumulation_steps % window != 0
+        worker = self._pipeline.worker if self._pipeline is not None else None
+        state = RolloutState(
+            global_step=self.state.global_step,
+            micro_batches=self._buffer if inside_window else None,
+            in_flight=worker.in_flight() if isinstance(worker, ResumableWorker) else {},
+            metrics=dict(self._metrics),
+            staleness_counts=self._staleness_counts,
+        )
+        save_rollout_state(output_dir, state, args.process_index, args.world_size)
+
+    def _restore_rollout_state(self, checkpoint: str) -> None:
+        """Puts back what `_save_rng_state` saved: the buffered window, the in-flight batches
+        (served to the next rollout worker) and the metrics not logged yet."""
+        args = self.args
+        state = load_rollout_state(
+            checkpoint, self.accelerator.device, args.process_index, args.world_size
+        )
+        if state is None:
+            window = args.steps_per_generation * args.num_iterations
+            step = checkpoint_step(checkpoint)
+            if step * args.gradient_accumulation_steps % window or args.max_staleness:
+                warnings.warn(
+                    f"{checkpoint} holds no rollout buffer (it was written by an older "
+                    "version): the rollouts of the current generation window, or those in "
+                    "flight, will be regenerated with the restored weights, so the resumed run "
+                    "will differ from the uninterrupted one.",
+                    stacklevel=3,
+                )
+            state = RolloutState(global_step=step)
+        self._buffer = state.micro_batches
+        self._resumed_rollouts = state.in_flight
+        self._metrics.clear()
+        self._metrics.update(state.metrics)
+        self._staleness_counts = state.staleness_counts
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""
