@@ -22,7 +22,7 @@ from trl_grpo_ext.checkpoints import (
     save_rollout_state,
 )
 from trl_grpo_ext.rollout import generation_seed
-from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+from trl_grpo_ext.tiny import build_tiny_tokenizer, tiny_model_and_tokenizer
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)
 
@@ -320,7 +320,9 @@ def test_checkpoint_files_hold_the_buffered_micro_batches_and_in_flight_prompts(
     assert in_flight["index"] == 2 and in_flight["version"] == 1  # sampled after step 1
     assert in_flight["seed"] == generation_seed(0, 0, 2)
     prompts = set(digit_sums(3)["prompt"])
-    assert len(in_flight["prompt_texts"]) == 2 and set(in_flight["prompt_texts"]) <= prompts
+    tokenizer = build_tiny_tokenizer()
+    texts = {tokenizer.decode(tokens) for tokens in in_flight["prompt_tokens"]}
+    assert len(in_flight["prompt_tokens"]) == 2 and texts <= prompts
     tensors = load_file(folder / "checkpoint-2" / "rollout_buffer.safetensors")
     assert set(tensors) == {
         f"in_flight.2.{name}"
@@ -345,7 +347,7 @@ def test_rollout_state_round_trips_tensors_exactly_and_other_values_as_json(tmp_
     state = RolloutState(
         global_step=6,
         micro_batches=micro_batches,
-        in_flight={7: InFlightBatch(["a", "b"], 11, generated)},
+        in_flight={7: InFlightBatch([[1, 2], [3]], 11, generated)},
         metrics={"reward": [0.5, float("nan")]},
         staleness_counts={1: 3},
     )
@@ -375,8 +377,8 @@ def test_rollout_state_round_trips_tensors_exactly_and_other_values_as_json(tmp_
             else:
                 assert restored[key] == value
     batch = loaded.in_flight[7]
-    assert (batch.prompt_texts, batch.seed, batch.batch.index, batch.batch.version) == (
-        ["a", "b"], 11, 7, 5,
+    assert (batch.prompt_tokens, batch.seed, batch.batch.index, batch.batch.version) == (
+        [[1, 2], [3]], 11, 7, 5,
     )  # fmt: skip
     assert torch.equal(batch.batch.behaviour_logps, generated.behaviour_logps)
 

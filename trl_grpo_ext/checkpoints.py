@@ -10,7 +10,7 @@ silently leave the uninterrupted one. So each checkpoint also holds, per process
   `micro_batch.<i>.<key>` for micro-batch `i` of the buffered generation batch (only when the
   checkpoint falls inside a window), `in_flight.<index>.<field>` for each in-flight batch;
 - `rollout_buffer.json`: the rest: the keys of each micro-batch and its non-tensor values, the
-  prompt texts, seed and weights version of each in-flight batch, and the metrics gathered since
+  prompt tokens, seed and weights version of each in-flight batch, and the metrics gathered since
   the last log.
 
 The guarantee: resuming from any checkpoint, with the same configuration and
@@ -35,7 +35,7 @@ saved (the first log after a resume inside a window prints none).
   and stores their tokens, behaviour log-probs and weights version; the resumed trainer serves
   them instead of sampling them again, and every later batch is submitted after the same weights
   as before. The prompt rows pulled ahead are not stored: the fast-forwarded loader yields them
-  again. The in-flight batches' prompt texts and seeds are stored to check that: a batch whose
+  again. The in-flight batches' prompt tokens and seeds are stored to check that: a batch whose
   prompts differ (`ignore_data_skip=True`, another dataset) is generated again, with a warning.
 
 A checkpoint written before these files existed still resumes: a window in progress, or batches
@@ -100,7 +100,7 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
 class InFlightBatch:
     """A batch the rollout worker was asked for, with the request that produced it."""
 
-    prompt_texts: list[str]
+    prompt_tokens: list[list[int]]  # each prompt's ids, padding removed
     seed: int
     batch: GeneratedBatch
 
@@ -179,7 +179,7 @@ def save_rollout_state(
                 "index": index,
                 "version": pending.batch.version,
                 "seed": pending.seed,
-                "prompt_texts": list(pending.prompt_texts),
+                "prompt_tokens": pending.prompt_tokens,
             }
         )
     manifest = {
@@ -229,7 +229,7 @@ def load_rollout_state(
         index = entry["index"]
         generated = [tensors[f"in_flight.{index}.{name}"] for name in _GENERATED_FIELDS]
         in_flight[index] = InFlightBatch(
-            entry["prompt_texts"],
+            entry["prompt_tokens"],
             entry["seed"],
             GeneratedBatch(index, entry["version"], *generated),
         )
@@ -258,18 +258,20 @@ class ResumableWorker:
     def __init__(self, worker, restored: dict[int, InFlightBatch] | None = None):
         self.worker = worker
         self._restored = dict(restored or {})
-        self._requests: dict[int, tuple[list[str], int]] = {}
+        self._requests: dict[int, tuple[list[list[int]], int]] = {}
         self._finished: dict[int, GeneratedBatch] = {}
 
     def update_weights(self, version, weights):
         self.worker.update_weights(version, weights)
 
-    def submit(self, index, prompt_texts, seed):
-        request = (list(prompt_texts), seed)
+    def submit(self, index, prompts, seed):
+        prompt_ids, prompt_mask = prompts
+        tokens = [ids[keep.bool()].tolist() for ids, keep in zip(prompt_ids, prompt_mask)]
+        request = (tokens, seed)
         self._requests[index] = request
         restored = self._restored.pop(index, None)
         if restored is not None:
-            if (restored.prompt_texts, restored.seed) == request:
+            if (restored.prompt_tokens, restored.seed) == request:
                 self._finished[index] = restored.batch
                 return
             warnings.warn(
@@ -278,7 +280,7 @@ class ResumableWorker:
                 "restored weights, so this run leaves the uninterrupted one.",
                 stacklevel=2,
             )
-        self.worker.submit(index, *request)
+        self.worker.submit(index, prompts, seed)
 
     def result(self, index) -> GeneratedBatch:
         self._requests.pop(index, None)
@@ -292,8 +294,8 @@ class ResumableWorker:
             if index not in self._finished:
                 self._finished[index] = self.worker.result(index)
         return {
-            index: InFlightBatch(texts, seed, self._finished[index])
-            for index, (texts, seed) in sorted(self._requests.items())
+            index: InFlightBatch(tokens, seed, self._finished[index])
+            for index, (tokens, seed) in sorted(self._requests.items())
         }
 
     def close(self):
