@@ -78,7 +78,8 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
                 # H = logsumexp - sum_v p_v z_v
                 probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, V)
                 entropy[rows] = chunk_lse - probs.mul_(z).sum(dim=-1)
-            del z
+                del probs
+            del z  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, token_ids, logsumexp, entropy)
         ctx.transform = transform
         ctx.chunk_tokens = chunk_tokens
@@ -131,13 +132,16 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
             if softcap is not None:
                 grad.mul_(slope)
                 del slope
-            grad = grad.to(matmul_dtype)  # (c, V): gradient wrt the head's output
+            # grad (c, V) is now the gradient wrt the head's output
             if grad_hidden is not None:
-                grad_hidden[rows] = grad @ matmul_weight  # (c, H)
+                grad_hidden[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
             if grad_weight is not None:
-                grad_weight += grad.t() @ chunk_hidden  # (V, H)
+                # In float32 (not the bf16 matmul): rounding each chunk's product to bf16 before
+                # the sum would bias the weight's gradient.
+                grad_weight.addmm_(grad.t().to(accumulate), chunk_hidden.to(accumulate))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)  # (V,)
+            del z, log_probs, grad  # one buffer, freed before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
