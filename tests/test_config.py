@@ -78,7 +78,7 @@ def test_shared_names_mean_the_same_defaults_as_trl(tmp_path):
     trl_fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
     ours_only = {field.name for field in dataclasses.fields(GroupRelativeConfig)} - trl_fields
     ours_only_expected = {
-        "max_prompt_length", "dynamic_sampling",
+        "max_prompt_length", "dynamic_sampling", "logprob_chunk_tokens",
         "max_resample_rounds", "max_staleness", "off_policy_correction", "off_policy_clip",
         "off_policy_min", "rollout_worker_threads",
     }  # fmt: skip

@@ -132,7 +132,18 @@ class GroupRelativeConfig(TrainingArguments):
     )
     cast_lm_head_to_fp32: bool = field(
         default=False,
-        metadata={"help": "Compute the output head (logits) in float32, as TRL's option."},
+        metadata={
+            "help": "Compute the output head's logits in float32 in the log-prob passes (the "
+            "softmax is float32 always)."
+        },
+    )
+    logprob_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completion tokens per chunk of the output head and log-softmax: the extra "
+            "memory of the log-prob pass is about two float32 buffers of this many tokens x the "
+            "vocabulary. None: 1024."
+        },
     )
     router_aux_loss_coef: float | None = field(
         default=None,
@@ -498,6 +509,8 @@ class GroupRelativeConfig(TrainingArguments):
                     f"{name}={getattr(self, name)!r} must be a mapping (a JSON object on the "
                     'command line, e.g. \'{"dtype": "float32"}\').'
                 )
+        if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 1:
+            fail(f"logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 (or None).")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
         if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:

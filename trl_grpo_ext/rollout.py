@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from .generation.sampling import isolated_from_checkpoint
+from .logprobs import capture_head_inputs, head_token_logprobs, logit_transform, output_head
 from .objective import token_logprobs
 
 
@@ -314,28 +315,86 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def completion_logprobs(
-    model, input_ids, attention_mask, completion_ids, temperature=1.0, return_entropy=False
+    model,
+    input_ids,
+    attention_mask,
+    completion_ids,
+    temperature=1.0,
+    return_entropy=False,
+    logprob_chunk_tokens=None,
+    cast_lm_head_to_fp32=False,
 ):
     """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
 
-    Only the completion positions go through the output head (`logits_to_keep`). Consecutive
-    rows that share their prompt (the completions of one group) are packed into one sequence
-    that holds the prompt once (`_shared_prompt_logits`), where that costs less
+    The model runs its usual forward pass (through any DDP or PEFT wrapper), but its output head
+    only hands over the last hidden states of the completion positions; the log-probs come from
+    them in chunks of `logprob_chunk_tokens` positions (`logprobs.head_token_logprobs`), so the
+    `(B, T, V)` logits never exist at once. Where the head's weight cannot be used directly (LoRA
+    on the output layer, FSDP, DeepSpeed ZeRO-3), the model's head computes the logits of the
+    completion positions only (`logits_to_keep`).
+
+    Consecutive rows that share their prompt (the completions of one group) are packed into one
+    sequence that holds the prompt once (`_shared_prompt_logits`), where that costs less
     (`packing_pays`): the same numbers as running every row in full, up to floating-point
     rounding, for (G - 1) / G less work on the prompt tokens.
+
+    Args:
+        logprob_chunk_tokens (`int`, *optional*):
+            Completion positions whose logits exist at once; None for
+            `logprobs.DEFAULT_CHUNK_TOKENS` (1024). Peak extra memory is a few float32 buffers
+            of `logprob_chunk_tokens * V` values.
+        cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
+            Compute the logits in float32 from float32 hidden states and head weight, as TRL's
+            `cast_lm_head_to_fp32` (here without changing the model's parameters).
     """
     completion_length = completion_ids.shape[1]
-    logits = _shared_prompt_logits(model, input_ids, attention_mask, completion_length)
-    if logits is None:
-        logits = model(
+    head = output_head(model)
+    if head is None and cast_lm_head_to_fp32:
+        raise ValueError(
+            "cast_lm_head_to_fp32=True needs the model's output head to be a plain nn.Linear "
+            "whose weight is not sharded: remove lm_head from the adapter's target modules "
+            "(and modules_to_save), or set cast_lm_head_to_fp32=False."
+        )
+    outputs = _shared_prompt_logits(
+        model, input_ids, attention_mask, completion_length, head=head
+    )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+    if outputs is None:
+        outputs = _head_outputs(
+            model,
+            head,
             input_ids=input_ids,
             attention_mask=attention_mask,
             logits_to_keep=completion_length + 1,
             use_cache=False,
-        ).logits[:, :-1]  # (B, T, V): position t predicts completion token t
-    return token_logprobs(
-        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
+        )[:, :-1]  # position t predicts completion token t
+    if head is None:
+        return token_logprobs(
+            outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
+        )
+    softcap, scale = logit_transform(model)
+    return head_token_logprobs(
+        outputs,
+        head.weight,
+        completion_ids,
+        bias=head.bias,
+        temperature=temperature,
+        chunk_tokens=logprob_chunk_tokens,
+        return_entropy=return_entropy,
+        final_logit_softcapping=softcap,
+        logit_scale=scale,
+        upcast=cast_lm_head_to_fp32,
     )
+
+
+def _head_outputs(model, head, **inputs):
+    """The logits of a forward pass, or with `head` (the model's output head) its inputs."""
+    if head is None:
+        return model(**inputs).logits
+    with capture_head_inputs(head) as captured:
+        model(**inputs)
+    if len(captured) != 1:
+        raise RuntimeError(f"expected the output head to run once, it ran {len(captured)} times")
+    return captured[0]
 
 
 def packing_pays(model, prompt_length: int, completion_length: int, group_size: int) -> bool:
@@ -361,11 +420,12 @@ def packing_pays(model, prompt_length: int, completion_length: int, group_size: 
     return packed_cost < rows_cost
 
 
-def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int):
+def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
     """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
     once, in one forward pass; None when it does not apply (no two consecutive rows share a
     prompt, groups of unequal size, or an attention implementation that ignores custom masks)
-    or does not pay (`packing_pays`).
+    or does not pay (`packing_pays`). With `head` (the model's output head), the hidden states
+    `(B, T, H)` that enter it instead of the logits.
 
     Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
     but its last token, then for every completion a block of `T` tokens (the last prompt token
@@ -431,14 +491,16 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    logits = model(
+    outputs = _head_outputs(
+        model,
+        head,
         input_ids=packed_ids,
         attention_mask=mask.unsqueeze(1),  # (U, 1, L, L)
         position_ids=(position_ids + padded).expand(num_prompts, -1),
         use_cache=False,
         logits_to_keep=group_size * completion_length,
-    ).logits  # (U, n * T, V)
-    return logits.reshape(rows, completion_length, logits.shape[-1])  # (B, T, V)
+    )  # (U, n * T, V), or (U, n * T, H) with `head`
+    return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)
 
 
 @contextlib.contextmanager

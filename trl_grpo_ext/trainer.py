@@ -469,6 +469,8 @@ class GroupRelativeTrainer(Trainer):
             batch["completion_ids"],
             temperature=self.args.temperature,
             return_entropy=return_entropy,
+            logprob_chunk_tokens=self.args.logprob_chunk_tokens,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
         )
 
     @torch.no_grad()

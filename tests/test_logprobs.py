@@ -1,0 +1,323 @@
+"""Log-probs from the hidden states in chunks of tokens (`trl_grpo_ext.logprobs`), against the
+plain formula on full logits: `log_softmax(head(h) / tau)[o]`, values and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trl_grpo_ext.logprobs import capture_head_inputs, head_token_logprobs, output_head
+from trl_grpo_ext.objective import token_logprobs
+from trl_grpo_ext.rollout import _shared_prompt_logits, completion_logprobs
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+
+def reference(hidden, weight, token_ids, bias=None, temperature=1.0, softcap=None, scale=1.0):
+    """The full `(..., V)` logits, then log_softmax, gather and entropy, by autograd."""
+    logits = F.linear(hidden, weight, bias)  # (..., V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    logps = log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, entropy
+
+
+def random_inputs(batch=2, length=5, hidden=6, vocab=11, dtype=torch.float64, bias=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, length, hidden, generator=generator, dtype=dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=generator, dtype=dtype).requires_grad_()
+    b = torch.randn(vocab, generator=generator, dtype=dtype).requires_grad_() if bias else None
+    ids = torch.randint(vocab, (batch, length), generator=generator)
+    return h, w, b, ids
+
+
+def gradients(outputs, upstream, inputs):
+    loss = sum((out * up).sum() for out, up in zip(outputs, upstream))
+    return torch.autograd.grad(loss, [x for x in inputs if x is not None])
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 4, 10, None])  # 10 tokens: 3 and 4 don't divide
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"temperature": 0.7},
+        {"temperature": 0.7, "softcap": 2.0},  # Gemma's final_logit_softcapping
+        {"scale": 0.5, "bias": False},  # Cohere's logit_scale, a head without bias
+    ],
+)
+def test_values_and_gradients_match_full_logits(chunk_tokens, options):
+    options = dict(options)
+    h, w, b, ids = random_inputs(bias=options.pop("bias", True))
+    temperature = options.get("temperature", 1.0)
+    softcap, scale = options.get("softcap"), options.get("scale", 1.0)
+    logps, entropy = head_token_logprobs(
+        h, w, ids, b, temperature, chunk_tokens, True, softcap, scale
+    )
+    ref_logps, ref_entropy = reference(h, w, ids, b, temperature, softcap, scale)
+    torch.testing.assert_close(logps, ref_logps)
+    torch.testing.assert_close(entropy, ref_entropy)
+    assert logps.dtype == torch.float64 and logps.shape == ids.shape
+
+    upstream = [torch.randn_like(logps), torch.randn_like(entropy)]
+    got = gradients([logps, entropy], upstream, [h, w, b])
+    want = gradients([ref_logps, ref_entropy], upstream, [h, w, b])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("which", ["logps", "entropy"])
+def test_gradient_of_one_output_alone(which):
+    h, w, b, ids = random_inputs(seed=1)
+    logps, entropy = head_token_logprobs(h, w, ids, b, 0.8, chunk_tokens=3, return_entropy=True)
+    ref_logps, ref_entropy = reference(h, w, ids, b, 0.8)
+    got = torch.autograd.grad((logps if which == "logps" else entropy).sum(), [h, w, b])
+    want = torch.autograd.grad((ref_logps if which == "logps" else ref_entropy).sum(), [h, w, b])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+def test_without_entropy_only_the_logps_and_no_gradient_for_frozen_inputs():
+    h, w, b, ids = random_inputs(seed=2)
+    w.requires_grad_(False)
+    logps = head_token_logprobs(h, w, ids, b, chunk_tokens=4)
+    torch.testing.assert_close(logps, reference(h, w, ids, b)[0])
+    (grad_h,) = torch.autograd.grad(logps.sum(), [h])
+    (ref_grad_h,) = torch.autograd.grad(reference(h, w, ids, b)[0].sum(), [h])
+    torch.testing.assert_close(grad_h, ref_grad_h)
+
+
+def test_bf16_softmax_in_float32_and_upcast_matmul():
+    h, w, b, ids = random_inputs(batch=3, length=4, hidden=16, vocab=50, dtype=torch.float32)
+    h16, w16, b16 = (x.detach().bfloat16().requires_grad_() for x in (h, w, b))
+    # As the model's own bf16 head, then a float32 softmax: the bf16 logits, upcast.
+    logps = head_token_logprobs(h16, w16, ids, b16, 0.7, chunk_tokens=5)
+    assert logps.dtype == torch.float32
+    torch.testing.assert_close(logps, reference(h16, w16, ids, b16, 0.7)[0])
+    grads = torch.autograd.grad(logps.sum(), [h16, w16, b16])
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    ref_grads = torch.autograd.grad(reference(h16, w16, ids, b16, 0.7)[0].sum(), [h16, w16, b16])
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+    # upcast (cast_lm_head_to_fp32): logits from float32 copies of the bf16 values, which differ
+    # from the bf16 matmul by more than the float32 rounding.
+    upcast = head_token_logprobs(h16, w16, ids, b16, 0.7, chunk_tokens=5, upcast=True)
+    exact = reference(h16.float(), w16.float(), ids, b16.float(), 0.7)[0]
+    torch.testing.assert_close(upcast, exact, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logps, exact, atol=1e-5, rtol=1e-5)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the number of elements of the largest tensor any operator returns."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_no_more_than_chunk_tokens_logits_exist_at_once():
+    vocab, chunk = 300, 4
+    h, w, b, ids = random_inputs(batch=4, length=8, hidden=3, vocab=vocab, dtype=torch.float32)
+    with LargestTensor() as mode:
+        logps, entropy = head_token_logprobs(h, w, ids, b, chunk_tokens=chunk, return_entropy=True)
+        (logps.sum() + entropy.sum()).backward()
+    assert mode.largest == chunk * vocab  # 1,200 values, where the full logits have 9,600
+    with LargestTensor() as full:
+        reference(h, w, ids, b)[0].sum().backward()
+    assert full.largest == 32 * vocab
+
+
+def test_validation():
+    h, w, b, ids = random_inputs()
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        head_token_logprobs(h, w, ids, chunk_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        head_token_logprobs(h, w, ids, temperature=0)
+    with pytest.raises(ValueError, match="weight"):
+        head_token_logprobs(h, w.t(), ids)
+    with pytest.raises(ValueError, match="token_ids"):
+        head_token_logprobs(h, w, ids[:, 1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# completion_logprobs on a model: the same log-probs and gradients as the full-logits pass
+# ----------------------------------------------------------------------------------------------
+
+
+def batch(vocab, groups, group_size, prompt_length=10, completion_length=4, seed=0):
+    """Left-padded prompts repeated per group, right-padded random completions."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (groups, prompt_length), generator=generator)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, :3] = 0  # the first prompt is shorter
+    completion_ids = torch.randint(
+        3, vocab, (groups * group_size, completion_length), generator=generator
+    )
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 2:] = 0
+    input_ids = torch.cat([prompts.repeat_interleave(group_size, 0), completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_mask], 1)
+    return input_ids, attention_mask, completion_ids, completion_mask
+
+
+def full_logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature):
+    """Every row's full logits through the model's own head, then `objective.token_logprobs`."""
+    length = completion_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, P + T, V)
+    aligned = logits[:, -length - 1 : -1]  # (B, T, V)
+    return token_logprobs(aligned, completion_ids, temperature, return_entropy=True)
+
+
+def logprobs_and_gradients(compute, model, mask):
+    logps, entropy = compute()
+    upstream = torch.linspace(-1, 1, logps.numel()).view_as(logps)
+    ((logps * upstream * mask).sum() + (entropy * mask).sum()).backward()
+    trainable = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return logps * mask, entropy * mask, trainable
+
+
+def assert_matches_full_logits(model, inputs, temperature=0.7, **kwargs):
+    input_ids, attention_mask, completion_ids, mask = inputs
+    got = logprobs_and_gradients(
+        lambda: completion_logprobs(
+            model, input_ids, attention_mask, completion_ids, temperature, True, **kwargs
+        ),
+        model,
+        mask,
+    )
+    want = logprobs_and_gradients(
+        lambda: full_logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature),
+        model,
+        mask,
+    )
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-5)
+    assert got[2].keys() == want[2].keys() and got[2]
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.fixture
+def tiny():
+    model, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    return model
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_completion_logprobs_match_full_logits(tiny, packed):
+    # Three groups of four completions share prompts (packed), or twelve distinct prompts.
+    inputs = batch(tiny.config.vocab_size, *((3, 4) if packed else (12, 1)))
+    assert (_shared_prompt_logits(tiny, *inputs[:2], inputs[2].shape[1]) is not None) == packed
+    assert output_head(tiny) is tiny.lm_head
+    assert_matches_full_logits(tiny, inputs, logprob_chunk_tokens=5)  # 48 tokens, 10 chunks
+
+
+@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "v_proj", "lm_head"]])
+def test_completion_logprobs_with_lora(tiny, target_modules):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False)
+    model = get_peft_model(tiny, config)
+    # "all-linear" leaves the output layer out: the chunked path; LoRA on lm_head: the model's
+    # own head computes the logits.
+    assert (output_head(model) is None) == ("lm_head" in target_modules)
+    assert_matches_full_logits(model, batch(tiny.config.vocab_size, 3, 4), logprob_chunk_tokens=7)
+
+
+@pytest.mark.parametrize("find_unused_parameters", [False, True])
+def test_completion_logprobs_through_ddp(tiny, find_unused_parameters, tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(tiny, find_unused_parameters=find_unused_parameters)
+        assert output_head(model) is tiny.lm_head
+        input_ids, attention_mask, completion_ids, mask = batch(tiny.config.vocab_size, 3, 4)
+        for _ in range(2):  # DDP complains on the second step if the first went wrong
+            logps = completion_logprobs(model, input_ids, attention_mask, completion_ids)
+            (logps * mask).sum().backward()
+        got = {n: p.grad.clone() for n, p in tiny.named_parameters()}
+        tiny.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    for _ in range(2):
+        want_logps, _ = full_logits_logprobs(tiny, input_ids, attention_mask, completion_ids, 1.0)
+        (want_logps * mask).sum().backward()
+    for name, param in tiny.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_cast_lm_head_to_fp32(tiny):
+    model = tiny.to(torch.bfloat16)
+    input_ids, attention_mask, completion_ids, mask = batch(tiny.config.vocab_size, 3, 4)
+    hidden = _shared_prompt_logits(
+        model, input_ids, attention_mask, completion_ids.shape[1], head=model.lm_head
+    )  # (B, T, H) in bf16, from the same packed pass as completion_logprobs
+    weight = model.lm_head.weight
+    exact = reference(hidden.float(), weight.float(), completion_ids, temperature=0.7)[0]
+    bf16_head = reference(hidden, weight, completion_ids, temperature=0.7)[0]
+    upcast = completion_logprobs(
+        model, input_ids, attention_mask, completion_ids, 0.7, cast_lm_head_to_fp32=True
+    )
+    plain = completion_logprobs(model, input_ids, attention_mask, completion_ids, 0.7)
+    torch.testing.assert_close(upcast, exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, bf16_head, atol=1e-5, rtol=1e-5)
+    assert (plain - exact).abs().max() > 1e-3  # bf16 logits round visibly
+    assert weight.dtype == torch.bfloat16  # the model itself is unchanged
+    # Gradients reach the bf16 weights.
+    (upcast * mask).sum().backward()
+    assert weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
+
+
+def _last_hidden_states(model, input_ids, attention_mask, completion_length):
+    with capture_head_inputs(model.lm_head) as captured:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    return captured[0][:, -completion_length - 1 : -1]  # (B, T, H)
+
+
+def test_cast_lm_head_to_fp32_refuses_lora_on_the_head(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny, LoraConfig(r=2, target_modules=["lm_head"]))
+    input_ids, attention_mask, completion_ids, _ = batch(tiny.config.vocab_size, 1, 2)
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        completion_logprobs(
+            model, input_ids, attention_mask, completion_ids, cast_lm_head_to_fp32=True
+        )
+
+
+def test_gemma2_final_logit_softcapping():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=1.5,  # low, so that the cap changes the log-probs a lot
+        initializer_range=0.5,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    inputs = batch(config.vocab_size, 3, 4)
+    assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
+    # Without the cap the numbers would differ: the test sees the softcapping.
+    hidden = _last_hidden_states(model, *inputs[:2], inputs[2].shape[1])
+    uncapped = reference(hidden, model.lm_head.weight, inputs[2], temperature=0.7)[0]
+    capped = completion_logprobs(model, *inputs[:3], 0.7)
+    assert (uncapped - capped).abs().max() > 0.1

@@ -1,0 +1,328 @@
+"""Per-token log-probabilities from the last hidden states, without the `(B, T, V)` logits.
+
+Step 4 of `DESIGN.md`, `log pi(o_t | q, o_<t) = log_softmax(z_t / tau)[o_t]`, where the logits
+are the model's output head applied to the last hidden state h_t:
+
+    z_t = c * tanh(s * (W h_t + b) / c)        (c: `final_logit_softcapping`, s: logit scale)
+
+Running the head over all B*T completion positions at once holds the full logits (B*T*V values,
+2.5 GB in float32 for 8 x 512 tokens at Qwen's V = 151,936), and autograd keeps them, and a
+softmax of the same size, alive until the backward pass. `head_token_logprobs` instead takes the
+hidden states and the head's weight and computes the logits of `chunk_tokens` positions at a time,
+keeping only two numbers per position (the log-normaliser and the entropy); the backward pass
+recomputes each chunk's logits. So the extra memory is a few buffers of `chunk_tokens * V` values,
+however many completion tokens there are, for the price of one more head matmul per chunk.
+
+`capture_head_inputs` and `output_head` let `rollout.completion_logprobs` run a (PEFT-, DDP- or
+autocast-wrapped) model through its own forward while its output head only records the hidden
+states it receives, so every wrapper still sees its forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "capture_head_inputs",
+    "head_token_logprobs",
+    "logit_transform",
+    "output_head",
+]
+
+# 1024 tokens x V = 151,936 is 0.6 GB per float32 buffer; the backward pass holds about three.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class _ChunkedHeadLogSoftmax(torch.autograd.Function):
+    """`log_softmax(z / tau)[o]` and the entropy for `z = transform(h W^T + b)`, by token chunks.
+
+    Forward keeps the log-normaliser and the entropy of each token; backward recomputes one
+    chunk's logits at a time and turns them into gradients for h, W and b. The softmax runs in
+    float32 (float64 for float64 inputs); the matmul runs in the inputs' dtype, or in float32 with
+    `upcast` (TRL's `cast_lm_head_to_fp32`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,  # (N, H)
+        weight,  # (V, H)
+        bias,  # (V,) or None
+        token_ids,  # (N,)
+        temperature,
+        chunk_tokens,
+        softcap,
+        scale,
+        upcast,
+        with_entropy,
+    ):
+        matmul_dtype = torch.float32 if upcast else torch.promote_types(hidden.dtype, weight.dtype)
+        compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
+        transform = (temperature, softcap, scale, matmul_dtype, compute_dtype)
+        matmul_weight = weight.to(matmul_dtype)  # (V, H); a copy only with `upcast`
+        num_tokens = hidden.shape[0]
+        logps = hidden.new_empty(num_tokens, dtype=compute_dtype)  # (N,)
+        logsumexp = torch.empty_like(logps)  # (N,)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        for start in range(0, num_tokens, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            z = _chunk_logits(hidden[rows], matmul_weight, bias, *transform)  # (c, V)
+            chunk_lse = z.logsumexp(dim=-1)  # (c,)
+            logps[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            logsumexp[rows] = chunk_lse
+            if with_entropy:
+                # H = logsumexp - sum_v p_v z_v
+                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, V)
+                entropy[rows] = chunk_lse - probs.mul_(z).sum(dim=-1)
+                del probs
+            del z  # before the next chunk's logits exist
+        ctx.save_for_backward(hidden, weight, bias, token_ids, logsumexp, entropy)
+        ctx.transform = transform
+        ctx.chunk_tokens = chunk_tokens
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
+        if not ctx.with_entropy:
+            grad_entropy = None
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if (grad_logps is None and grad_entropy is None) or not (
+            needs_hidden or needs_weight or needs_bias
+        ):
+            return (None,) * 10
+        temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
+        matmul_weight = weight.to(matmul_dtype)  # (V, H)
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
+        # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=accumulate) if needs_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=accumulate) if needs_bias else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            chunk_hidden = hidden[rows].to(matmul_dtype)  # (c, H)
+            z = _chunk_logits(chunk_hidden, matmul_weight, bias, *ctx.transform)  # (c, V)
+            if softcap is not None:
+                # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
+                slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
+            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # (c, V), in place of z
+            probs = log_probs.exp()  # (c, V)
+            grad = log_probs  # (c, V): the gradient wrt z, built in place of log_probs
+            if grad_entropy is not None:
+                # dH / dz_v = -p_v (log p_v + H)
+                grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
+                grad.mul_(-grad_entropy[rows].unsqueeze(-1))
+            else:
+                grad.zero_()
+            if grad_logps is not None:
+                # d log p_k / dz_v = 1[v = k] - p_v
+                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, 1)
+                grad.addcmul_(probs, chunk_grad, value=-1)
+                grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
+            del probs
+            grad.mul_(scale / temperature)  # back through z = s * logits / tau (and the cap)
+            if softcap is not None:
+                grad.mul_(slope)
+                del slope
+            # grad (c, V) is now the gradient wrt the head's output
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
+            if grad_weight is not None:
+                # In float32 (not the bf16 matmul): rounding each chunk's product to bf16 before
+                # the sum would bias the weight's gradient.
+                grad_weight.addmm_(grad.t().to(accumulate), chunk_hidden.to(accumulate))  # (V, H)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)  # (V,)
+            del z, log_probs, grad  # one buffer, freed before the next chunk's logits exist
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
+
+
+def _chunk_logits(hidden, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
+    """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk of tokens, `(c, V)` in compute_dtype."""
+    bias = None if bias is None else bias.to(matmul_dtype)
+    z = F.linear(hidden.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z.div_(temperature)
+
+
+def head_token_logprobs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    return_entropy: bool = False,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    upcast: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each chosen token, `log softmax(z / tau)[o_t]`, from the hidden states.
+
+    The same numbers as `objective.token_logprobs(head(hidden_states), token_ids, temperature)`,
+    with `head(h) = c * tanh(s * (h W^T + b) / c)`, but the logits exist only `chunk_tokens`
+    positions at a time, in the forward and in the backward pass.
+
+    Args:
+        hidden_states (`torch.Tensor`):
+            Last hidden states of shape `(..., H)`, aligned with `token_ids` (the state at
+            position t predicts token t).
+        weight (`torch.Tensor`):
+            The output head's weight, shape `(V, H)`.
+        token_ids (`torch.Tensor`):
+            Chosen token ids, the shape of `hidden_states` without its last dimension.
+        bias (`torch.Tensor`, *optional*):
+            The output head's bias, shape `(V,)`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature tau; the logits are divided by it.
+        chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS` (1024)):
+            Positions whose logits are computed at once. Peak extra memory is about three
+            float32 buffers of `chunk_tokens * V` values (plus, when the head is trained, a
+            float32 gradient accumulator of the weight's size).
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the entropy (in nats) of the tempered distribution at each position.
+        final_logit_softcapping (`float`, *optional*):
+            The cap c of models that squash their logits (Gemma 2 and 3); None for none.
+        logit_scale (`float`, *optional*, defaults to `1.0`):
+            The factor s of models that scale their logits (Cohere, Granite).
+        upcast (`bool`, *optional*, defaults to `False`):
+            Compute the logits in float32 from float32 copies of the hidden states and the weight
+            (TRL's `cast_lm_head_to_fp32`). Otherwise the matmul runs in the inputs' dtype; the
+            softmax is in float32 either way.
+
+    Returns:
+        `torch.Tensor` of the shape of `token_ids`, in float32 (float64 for float64 inputs), or a
+        tuple `(logps, entropy)` of two such tensors when `return_entropy=True`. Both are
+        differentiable with respect to `hidden_states`, `weight` and `bias`.
+    """
+    chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if weight.dim() != 2 or hidden_states.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must have shape (V, {hidden_states.shape[-1]}), got {tuple(weight.shape)}"
+        )
+    if token_ids.shape != hidden_states.shape[:-1]:
+        raise ValueError(
+            f"token_ids must have shape {tuple(hidden_states.shape[:-1])} to match the hidden "
+            f"states, got {tuple(token_ids.shape)}"
+        )
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
+    logps, entropy = _ChunkedHeadLogSoftmax.apply(
+        hidden,
+        weight,
+        bias,
+        token_ids.reshape(-1).long(),
+        float(temperature),
+        chunk_tokens,
+        None if final_logit_softcapping is None else float(final_logit_softcapping),
+        float(logit_scale),
+        bool(upcast),
+        return_entropy,
+    )
+    logps = logps.view(token_ids.shape)
+    return (logps, entropy.view(token_ids.shape)) if return_entropy else logps
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's output head
+# ----------------------------------------------------------------------------------------------
+
+
+def output_head(model) -> torch.nn.Linear | None:
+    """The output head of a (DDP-, PEFT- or otherwise wrapped) transformers causal LM, when
+    `head_token_logprobs` can use its weight as it is; else None.
+
+    None when the head is not a plain `nn.Linear` (a LoRA layer or a trained copy from PEFT's
+    `modules_to_save`, a quantized layer) or its weight is sharded outside the forward pass
+    (FSDP, DeepSpeed ZeRO-3): then only the model's own head computes the right logits.
+    """
+    causal_lm = _causal_lm(model)
+    if causal_lm is None or _is_sharded(model):
+        return None
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    weight = head.weight
+    if weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id"):
+        return None
+    return head
+
+
+def _causal_lm(model):
+    """The outermost transformers model inside DDP / PEFT wrappers, or None."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _is_sharded(model) -> bool:
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if cls.__name__ in ("FullyShardedDataParallel", "FSDPModule"):
+                return True
+    return False
+
+
+def logit_transform(model) -> tuple[float | None, float]:
+    """`(final_logit_softcapping, logit_scale)` the model applies to its head's output.
+
+    Read from the (text) config as TRL 1.16's fused head reads it: Gemma's softcap; Cohere's
+    `logit_scale`, `output_multiplier`, Falcon-H1's `lm_head_multiplier`, and Granite's
+    `logits_scaling` (a divisor; a factor for HyperCLOVA X).
+    """
+    causal_lm = _causal_lm(model)
+    if causal_lm is None:
+        return None, 1.0
+    config = causal_lm.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(config, name, None)
+        if scale is not None:
+            return softcap, float(scale)
+    divisor = getattr(config, "logits_scaling", None)
+    if divisor is not None:
+        hyperclova = getattr(config, "model_type", None) == "hyperclovax"
+        return softcap, float(divisor) if hyperclova else 1.0 / float(divisor)
+    return softcap, 1.0
+
+
+@contextlib.contextmanager
+def capture_head_inputs(head: torch.nn.Linear):
+    """While active, `head` records the hidden states it receives and returns zero-width logits.
+
+    Yields the list the inputs are appended to. The zero-width output `(..., 0)` still depends on
+    the inputs, the weight and the bias, so wrappers that trace the graph from the model's
+    outputs (DDP with `find_unused_parameters`) see every parameter as used.
+    """
+    captured = []
+    previous = head.__dict__.get("forward")  # an instance-level patch to restore, if any
+
+    def record(hidden_states):
+        captured.append(hidden_states)
+        bias = None if head.bias is None else head.bias[:0]
+        return F.linear(hidden_states, head.weight[:0], bias)  # (..., 0)
+
+    head.forward = record
+    try:
+        yield captured
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
