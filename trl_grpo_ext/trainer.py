@@ -44,7 +44,7 @@ from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import GroupRelativeConfig
-from .objective import group_advantages, policy_loss, weighted_rewards
+from .objective import group_advantages, high_entropy_mask, policy_loss, weighted_rewards
 from .off_policy import off_policy_weights
 from .rollout import (
     Rollout,
@@ -359,6 +359,9 @@ class GroupRelativeTrainer(Trainer):
             self.args.num_generations,
             weights=self.reward_weights,
             scale=self.args.scale_rewards,
+            multi_objective_aggregation=getattr(
+                self.args, "multi_objective_aggregation", "sum_then_normalize"
+            ),
         )
 
     def compute_objective(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -411,6 +414,18 @@ class GroupRelativeTrainer(Trainer):
             num_items_in_batch=batch["num_items_in_batch"] / args.world_size,
             max_completion_length=args.max_completion_length,
             importance_weights=importance_weights,
+            use_bias_correction_kl=getattr(args, "use_bias_correction_kl", True),
+            entropy_mask=high_entropy_mask(
+                entropy, batch["completion_mask"], getattr(args, "top_entropy_quantile", 1.0)
+            ),
+            off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
+            sampling_logps=batch.get("behaviour_logps"),
+            sapo_temperature_pos=getattr(args, "sapo_temperature_pos", 1.0),
+            sapo_temperature_neg=getattr(args, "sapo_temperature_neg", 1.05),
+            vespo_k_pos=getattr(args, "vespo_k_pos", 2.0),
+            vespo_lambda_pos=getattr(args, "vespo_lambda_pos", 3.0),
+            vespo_k_neg=getattr(args, "vespo_k_neg", 3.0),
+            vespo_lambda_neg=getattr(args, "vespo_lambda_neg", 2.0),
         )
         stats.update(off_policy_stats)
         if args.loss_type != "dapo":
