@@ -16,10 +16,21 @@ Equations implemented (numbers refer to the steps in `DESIGN.md`):
   clip range of DAPO (Yu et al., 2025) and the k3 KL estimator of the GRPO paper,
   `pi_ref/pi_theta - log(pi_ref/pi_theta) - 1`.
 * Step 5, GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): the sequence ratio
-  `s_i = exp(mean_t log(pi_theta / pi_old))`, in its GSPO-token form.
+  `s_i = exp(mean_t log(pi_theta / pi_old))` ("sequence", as TRL), or its GSPO-token form
+  ("sequence_token").
+* Step 6, other per-token surrogates (TRL 1.16's loss types): CISPO (MiniMax-M1,
+  `-sg[min(rho, eps_max)] A log pi`), SAPO (Soft Adaptive Policy Optimization,
+  `-sigmoid(tau (rho - 1)) 4 / tau A`), VESPO (`-sg[phi(w_i)] A log pi`, a Gamma weight of the
+  sequence ratio), and LUSPO (the clipped surrogate summed, not averaged, per sequence).
+* Step 6, the KL term with DeepSeek-V3.2's bias correction `rho_t * KL_k3`, its off-policy
+  sequence mask, and the high-entropy token selection of "Beyond the 80/20 Rule".
+* Step 3, GDPO's "normalize_then_sum": each reward function normalised within its group before
+  the weighted sum, then the sum normalised over the batch.
 * Step 7, aggregation over tokens: "grpo" (GRPO, 1/|o_i| per sequence then mean), "bnpo"
   (mean over the tokens of the local batch), "dr_grpo" (Dr. GRPO, constant normaliser
-  `B * max_completion_length`), "dapo" (DAPO, token-level mean over the global batch).
+  `B * max_completion_length`), "dapo" (DAPO, token-level mean over the global batch), "luspo"
+  (sum per sequence, mean over sequences). Each `loss_type` names a surrogate and an aggregation
+  (`LOSS_TYPE_TABLE`).
 
 Where this differs from the papers:
 
@@ -30,18 +41,22 @@ Where this differs from the papers:
 * The KL term is added per token *after* clipping, outside the `min`, as in GRPO (not
   folded into the reward as in PPO-RLHF). Optional `importance_weights` (e.g. a truncated
   importance-sampling correction for a generation engine that differs from the trained model)
-  multiply the surrogate only, not the KL term, as TRL does.
+  multiply the surrogate only, not the KL term, as TRL does (for VESPO they enter its sequence
+  weight instead, also as TRL).
 * `delta` is TRL's two-sided clipping: for negative advantages the unclipped ratio is capped at
   `delta`, which bounds the loss of a token whose probability exploded.
 * "dapo" divides by `num_items_in_batch`, the number of completion tokens in the *global* batch,
   so the sum of the losses of micro-batches equals the loss of the whole batch (exact under
   gradient accumulation). The caller supplies that count; this module never communicates.
-* "Sequence" importance sampling uses the GSPO-token form
-  `s_{i,t} = sg[s_i] * pi_theta(o_t) / sg[pi_theta(o_t)]`: its value is `s_i` at every token and
-  its gradient is `s_i * grad log pi_theta(o_t)`. Because the advantage is shared by all tokens
-  of a sequence, every aggregation gives the same loss and gradient as broadcasting the sequence
-  loss to its tokens (what TRL does); with per-token `importance_weights` the token form is the
-  one that stays well defined.
+* "sequence" importance sampling is TRL's: one ratio `s_i` per sequence, differentiated as a
+  whole, so its gradient is `s_i * mean_t grad log pi_theta(o_t)`. "sequence_token" (not in
+  TRL) is the GSPO-token form `s_{i,t} = sg[s_i] * pi_theta(o_t) / sg[pi_theta(o_t)]`: value
+  `s_i` at every token, gradient `s_i * grad log pi_theta(o_t)`. Because the advantage is shared
+  by all tokens of a sequence, the two give the same loss and gradient unless a per-token
+  factor (per-token importance weights, the entropy mask, the bias-corrected KL) multiplies
+  the ratio.
+* Per-token importance weights of a padding position are taken as 1 inside VESPO's sequence
+  weight (TRL sums the log of whatever is there; its own weights are 1 at padding).
 """
 
 from __future__ import annotations
