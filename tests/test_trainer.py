@@ -363,14 +363,29 @@ def test_old_logps_computed_once_per_generation_batch_with_several_iterations(
 # ----------------------------------------------------------------------------- accumulation
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
-    """2 micro-batches of 8 accumulate the same gradient as one of 16 (SGD, no clipping)."""
+@pytest.mark.parametrize(
+    ("loss_type", "level"),
+    [
+        ("dapo", "token"),
+        ("grpo", "token"),
+        ("dr_grpo", "token"),
+        ("cispo", "token"),
+        ("sapo", "token"),
+        ("luspo", "sequence"),
+        ("vespo", "token"),
+        ("dapo", "sequence"),
+        ("grpo", "sequence_token"),
+    ],
+)
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type, level):
+    """2 micro-batches of 8 accumulate the same gradient as one of 16 (SGD, no clipping), for
+    every loss type: those aggregated over the whole step's tokens are not divided again."""
     weights = []
     for micro, accumulation in ((16, 1), (8, 2)):
         trainer = make_trainer(
             tmp_path / f"{micro}",
             loss_type=loss_type,
+            importance_sampling_level=level,
             per_device_train_batch_size=micro,
             gradient_accumulation_steps=accumulation,
             max_completion_length=4,
@@ -451,3 +466,64 @@ def test_steps_per_generation_buffers_one_generation_batch_across_steps(tmp_path
     # The second step of a generation batch is off-policy by one update: ratios move from 1.
     ratios = logged(trainer, "ratio_mean")
     assert ratios[0] == pytest.approx(1.0, abs=1e-6) and ratios[1] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_entropy_bonus_lowers_the_loss_by_coef_times_the_entropy(tmp_path):
+    losses, entropies = {}, {}
+    for coef in (0.0, 0.1):
+        trainer = make_trainer(tmp_path / str(coef), max_steps=1, entropy_coef=coef)
+        trainer.train()
+        losses[coef], entropies[coef] = logged(trainer, "loss")[0], logged(trainer, "entropy")[0]
+    assert entropies[0.0] == pytest.approx(entropies[0.1])  # the same samples
+    assert losses[0.0] - losses[0.1] == pytest.approx(0.1 * entropies[0.0], rel=1e-3)
+
+
+def test_objective_options_reach_policy_loss(tmp_path, monkeypatch):
+    import trl_grpo_ext.trainer as trainer_module
+
+    calls = []
+    original = trainer_module.policy_loss
+
+    def recording(*args, **kwargs):
+        calls.append({**kwargs, "completion_mask": args[3]})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording)
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=4,
+        top_entropy_quantile=0.5,
+        use_bias_correction_kl=False,
+        off_policy_mask_threshold=0.3,
+        sapo_temperature_neg=2.0,
+        loss_type="sapo",
+    )
+    trainer.train()
+    (kwargs,) = calls
+    mask, completion_mask = kwargs["entropy_mask"], kwargs["completion_mask"].bool()
+    kept = (mask & completion_mask).sum() / completion_mask.sum()
+    assert 0.4 <= kept <= 0.6  # the upper half of the tokens by entropy
+    assert kwargs["use_bias_correction_kl"] is False
+    assert kwargs["off_policy_mask_threshold"] == 0.3
+    assert kwargs["sapo_temperature_neg"] == 2.0 and kwargs["loss_type"] == "sapo"
+
+
+def test_normalize_then_sum_normalises_each_reward_in_its_group(tmp_path):
+    from trl_grpo_ext.objective import group_advantages
+
+    def first(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def second(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    rewards = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 20.0], [0.0, 0.0]] * 2)  # (8, 2)
+    for mode in ("sum_then_normalize", "normalize_then_sum"):
+        trainer = make_trainer(
+            tmp_path / mode, reward_funcs=[first, second], multi_objective_aggregation=mode
+        )
+        expected = group_advantages(rewards, 4, multi_objective_aggregation=mode)
+        torch.testing.assert_close(trainer.compute_advantages(rewards), expected)
+    summed = group_advantages(rewards, 4)
+    assert not torch.allclose(summed, expected)  # the two modes differ on this example

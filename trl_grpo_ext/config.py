@@ -20,11 +20,13 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_MODES
+from .objective import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_MODES,
+)
 from .off_policy import OFF_POLICY_CORRECTIONS
-
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-
 
 # Fields of `trl.GRPOConfig` whose default differs here, with the reason. `docs/coming-from-trl.md`
 # shows this table and a test checks that every other field has TRL's default.
@@ -44,8 +46,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "use_vllm": "generation runs with transformers' generate; set use_vllm: false (a vLLM "
     "engine is being built)",
     "router_aux_loss_coef": "train dense models, or leave it unset",
-    "entropy_coef": "leave it at 0.0; top_entropy_quantile focuses training on uncertain tokens",
-    "use_adaptive_entropy": "leave it false",
+    "use_adaptive_entropy": "set entropy_coef to a fixed value instead",
     "use_transformers_continuous_batching": "leave it false; generation is batched per group",
     "use_transformers_paged": "leave it false",
     "transformers_continuous_batching_config": "leave it unset",
@@ -247,7 +248,11 @@ class GroupRelativeConfig(TrainingArguments):
     )
     importance_sampling_level: str = field(
         default="token",
-        metadata={"help": "'token' (GRPO) or 'sequence' (GSPO, length-normalised sequence ratio)."},
+        metadata={
+            "help": "'token' (GRPO), 'sequence' (GSPO: one length-normalised ratio per sequence, "
+            "as TRL) or 'sequence_token' (GSPO-token: the sequence ratio's value with per-token "
+            "gradients)."
+        },
     )
     scale_rewards: str = field(
         default="group",
@@ -310,7 +315,11 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     entropy_coef: float = field(
-        default=0.0, metadata={"help": "Weight of an entropy bonus in the loss (TRL)."}
+        default=0.0,
+        metadata={
+            "help": "Weight of an entropy bonus: the loss minus entropy_coef times the mean "
+            "entropy of the trained tokens (positive values encourage exploration)."
+        },
     )
     use_adaptive_entropy: bool = field(
         default=False, metadata={"help": "Skywork-OR1 adaptive entropy control (TRL)."}

@@ -51,7 +51,14 @@ from .generation import (
     is_conversational,
     sampling_config_from_args,
 )
-from .objective import group_advantages, policy_loss, weighted_rewards
+from .objective import (
+    LOSS_TYPE_TABLE,
+    entropy_bonus,
+    group_advantages,
+    high_entropy_mask,
+    policy_loss,
+    weighted_rewards,
+)
 from .off_policy import off_policy_weights
 from .rollout import (
     Rollout,
@@ -71,6 +78,17 @@ try:
     from peft import PeftModel, get_peft_model
 except ImportError:  # peft is a dependency; this keeps the import error where it is used
     PeftModel, get_peft_model = (), None
+
+
+# Parameters of the SAPO and VESPO surrogates, passed from the config as they are named.
+_SURROGATE_FIELDS = (
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
 
 
 def is_peft_model(model) -> bool:
@@ -386,6 +404,7 @@ class GroupRelativeTrainer(Trainer):
             self.args.num_generations,
             weights=self.reward_weights,
             scale=self.args.scale_rewards,
+            multi_objective_aggregation=self.args.multi_objective_aggregation,
         )
 
     def compute_objective(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -413,6 +432,11 @@ class GroupRelativeTrainer(Trainer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             return sum(p.view(-1)[0] for p in trainable) * 0.0, {}
         logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        entropy_mask = None
+        if args.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(
+                entropy.detach(), batch["completion_mask"], args.top_entropy_quantile
+            )
         importance_weights, off_policy_stats = None, {}
         if "behaviour_logps" in batch:  # rollouts from the asynchronous worker
             importance_weights, off_policy_stats = off_policy_weights(
@@ -438,11 +462,22 @@ class GroupRelativeTrainer(Trainer):
             num_items_in_batch=batch["num_items_in_batch"] / args.world_size,
             max_completion_length=args.max_completion_length,
             importance_weights=importance_weights,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            entropy_mask=entropy_mask,
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            sampling_logps=batch.get("behaviour_logps"),
+            **{name: getattr(args, name) for name in _SURROGATE_FIELDS},
         )
         stats.update(off_policy_stats)
-        if args.loss_type != "dapo":
+        if LOSS_TYPE_TABLE[args.loss_type].aggregation != "dapo":
+            # The other aggregations are per-micro-batch means (see the docstring).
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
+        if args.entropy_coef:
+            # TRL's entropy bonus: a plain mean over the trained tokens whatever the loss type,
+            # so it is scaled for gradient accumulation only.
+            bonus = entropy_bonus(entropy, mask, entropy_mask)
+            loss = loss - args.entropy_coef * bonus / self.current_gradient_accumulation_steps
         metrics = {key: value.item() for key, value in stats.items()}
         metrics["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         return loss, metrics
@@ -454,7 +489,7 @@ class GroupRelativeTrainer(Trainer):
         (a KL term) enters the loss. Never with several processes, DeepSpeed or FSDP, where a
         skipped forward pass would leave the other processes waiting in a collective or break
         the engine's hooks."""
-        if self.args.beta != 0 or self.args.world_size > 1:
+        if self.args.beta != 0 or self.args.entropy_coef != 0 or self.args.world_size > 1:
             return False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
