@@ -641,11 +641,14 @@ class GroupRelativeTrainer(Trainer):
         metrics["reward"].append(total.nanmean().item())
         metrics["reward_std"].append(group_std.nanmean().item())
         metrics["frac_reward_zero_std"].append((group_std < 1e-6).float().mean().item())
+        nan = float("nan")
         for index, name in enumerate(self.reward_names):
+            # Over the rows where the function applied, as TRL logs them: the mean is NaN when it
+            # applied to none, the (Bessel-corrected) std NaN when it applied to fewer than two.
             column = all_rewards[:, index]
             valid = column[~column.isnan()]
-            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else 0.0)
-            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else 0.0)
+            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else nan)
+            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else nan)
         device = self.accelerator.device
         lengths = gather(rollout.completion_lengths.to(device)).float()
         metrics["completions/mean_length"].append(lengths.mean().item())
