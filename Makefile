@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test test-slow train lint format bench clean-venv
+.PHONY: test test-slow test-lowest train lint format bench clean-venv
 
 # Create the venv; install torch first (pinned when none is importable, so a CPU-only
 # machine takes the local CPU build instead of a multi-GB CUDA one), then the package.
@@ -22,6 +22,21 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The same tests on the oldest supported releases (constraints/lowest.txt, the lower bounds in
+# setup.cfg), in a venv of their own; rebuilt from scratch when either file changes.
+LOWEST := .venv-lowest
+LOWEST_STAMP := $(LOWEST)/.installed
+
+$(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
+	rm -rf $(LOWEST)
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install -q "torch==2.13.0"
+	$(LOWEST)/bin/python -m pip install -q -c constraints/lowest.txt -e ".[dev]"
+	touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST)/bin/python -m pytest -q
 
 train: $(STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
@@ -38,7 +53,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/vs_trl.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LOWEST)
 
 # Documentation: `make docs` installs the docs extra once and builds the site in strict mode
 # (a broken link, reference or missing page fails); `make figures` regenerates docs/img.

@@ -116,6 +116,7 @@ def main(script_args, training_args, model_args):
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsJsonlCallback(metrics_path), periodic],
     )
+    trainer.base_model_id = script_args.base_model  # the Hub id a pushed adapter names
 
     # Evaluate before, train, evaluate after (greedy pass@1 on the same held-out problems).
     eval_kwargs = dict(

@@ -414,3 +414,110 @@ def test_in_flight_batches_for_other_prompts_are_sampled_again(tmp_path, async_r
     _, _, folder = async_run
     with pytest.warns(UserWarning, match="sampled for other prompts"):
         resumed(tmp_path, folder / "checkpoint-2", ASYNC, digit_sums(3), ignore_data_skip=True)
+
+
+# ---------------------------------------------------------------- the pushed adapter's base model
+
+
+def _trainer_on_base_folder(tmp_path, folder, monkeypatch):
+    """A trainer whose base model is loaded from `folder` (as the recipe loads a local copy),
+    and a fake `hub.push_folder` that copies the staged folder to `tmp_path / "pushed"`."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from trl_grpo_ext import hub
+
+    built, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    built.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    pushed = tmp_path / "pushed"
+    monkeypatch.setattr(
+        hub, "push_folder", lambda staging, **kwargs: shutil.copytree(staging, pushed)
+    )
+    trainer = make_trainer(
+        tmp_path / "run", model=model, tokenizer=tokenizer, hub_model_id="someone/tiny-grpo"
+    )
+    return trainer, pushed
+
+
+def _adapter_base(folder):
+    with open(os.path.join(folder, "adapter_config.json")) as handle:
+        return json.load(handle)["base_model_name_or_path"]
+
+
+def _card(folder):
+    card = (folder / "README.md").read_text()
+    return card, yaml.safe_load(card.split("---")[1])
+
+
+def test_pushed_adapter_names_the_hub_id_of_a_hub_cache_folder_and_loads_from_it(
+    tmp_path, monkeypatch
+):
+    # The base model was loaded from the Hub cache's folder of `someone/tiny-base`.
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--someone--tiny-base"
+    snapshot = repo / "snapshots" / commit
+    trainer, pushed = _trainer_on_base_folder(tmp_path, snapshot, monkeypatch)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    trainer.push_to_hub()
+
+    assert _adapter_base(pushed) == "someone/tiny-base"
+    card, metadata = _card(pushed)
+    assert metadata["base_model"] == "someone/tiny-base"
+    assert 'AutoPeftModelForCausalLM.from_pretrained("someone/tiny-grpo")' in card
+    assert str(snapshot) not in card
+    # The adapter saved locally keeps the folder it was trained from, so it loads here as before.
+    assert _adapter_base(tmp_path / "run") == str(snapshot)
+
+    # Anyone with `someone/tiny-base` (here: offline, from that cache) loads the pushed adapter
+    # with the card's one line, and gets the trained weights.
+    from peft import AutoPeftModelForCausalLM
+
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(pushed), cache_dir=str(cache))
+    trained = dict(trainer.model.named_parameters())
+    lora = [(name, param) for name, param in loaded.named_parameters() if "lora_" in name]
+    assert lora
+    for name, param in lora:
+        torch.testing.assert_close(param, trained[name])
+
+
+def test_base_model_id_names_the_hub_model_of_a_local_copy(tmp_path, monkeypatch):
+    trainer, pushed = _trainer_on_base_folder(tmp_path, tmp_path / "my-copy", monkeypatch)
+    trainer.base_model_id = "someone/tiny-base"
+    trainer.push_to_hub()
+    assert _adapter_base(pushed) == "someone/tiny-base"
+    card, metadata = _card(pushed)
+    assert metadata["base_model"] == "someone/tiny-base"
+    assert "[`someone/tiny-base`](https://huggingface.co/someone/tiny-base)" in card
+    assert _adapter_base(tmp_path / "run") == str(tmp_path / "my-copy")
+    assert _card(tmp_path / "run")[1]["base_model"] == "someone/tiny-base"
+
+
+def test_a_local_base_model_is_never_presented_as_a_hub_id(tmp_path, monkeypatch):
+    folder = tmp_path / "my-copy"
+    trainer, pushed = _trainer_on_base_folder(tmp_path, folder, monkeypatch)
+    with pytest.warns(UserWarning, match=r"local folder .*trainer.base_model_id"):
+        trainer.push_to_hub()
+    card, metadata = _card(pushed)
+    assert "base_model" not in metadata
+    assert f"a base model in a local folder (`{folder}`), not a Hub id" in card
+    # The card does not offer the one-line load that would look for the folder on the Hub ...
+    assert "AutoPeftModelForCausalLM" not in card
+    # ... but loading onto the same base weights, which works.
+    assert 'PeftModel.from_pretrained(base, "someone/tiny-grpo")' in card
+
+
+def test_base_model_hub_id():
+    from trl_grpo_ext.hub import base_model_hub_id
+
+    assert base_model_hub_id("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert base_model_hub_id("gpt2") == "gpt2"
+    assert base_model_hub_id("/gone/models--a--b/snapshots/c") is None  # no such folder
+    assert base_model_hub_id("../gone") is None
+    assert base_model_hub_id(None) is None and base_model_hub_id("") is None
+    assert base_model_hub_id(".", given="owner/name") == "owner/name"
+    assert base_model_hub_id(".") is None  # an existing folder is never a Hub id

@@ -7,9 +7,11 @@ from __future__ import annotations
 import doctest
 import importlib
 import json
+import math
 import multiprocessing
 import pickle
 import random
+import re
 import sys
 import textwrap
 import threading
@@ -17,7 +19,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy
 import pytest
+import torch
 
 from trl_grpo_ext.rewards import (
     _pool,
@@ -522,3 +526,94 @@ def test_math500_reference_solutions_score_their_own_answers():
     others = ["\\boxed{" + rows[i - 1]["answer"] + "}" for i in range(len(rows))]
     scores = score(others, [row["answer"] for row in rows])
     assert sum(s == 1.0 for s in scores) / len(rows) < 0.05
+
+
+# ---------------------------------------------------------------- what a reward function returns
+
+
+def _call(*funcs, size: int = 4):
+    from trl_grpo_ext.scoring import call_reward_funcs
+
+    return call_reward_funcs(
+        list(funcs),
+        prompts=["q"] * size,
+        completions=["c"] * size,
+        completion_ids=[[1]] * size,
+        trainer_state=None,
+    )
+
+
+def _returning(value, name="scorer"):
+    def reward(completions, **kwargs):
+        return value
+
+    reward.__name__ = name
+    return reward
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_score_is_an_error_naming_function_value_and_sample(bad):
+    from trl_grpo_ext.scoring import RewardFunctionError
+
+    value = re.escape(str(bad))
+    message = rf"'scorer' returned {value} for sample 2; scores must be finite"
+    for returned in ([1.0, None, bad, 0.0], torch.tensor([1.0, 0.0, bad, 0.0])):
+        with pytest.raises(RewardFunctionError, match=message):
+            _call(_returning(returned))
+    # numpy scalars too (np.float32(nan) is a numbers.Real)
+    with pytest.raises(RewardFunctionError, match=message):
+        _call(_returning([1.0, 1.0, numpy.float32(bad), 1.0]))
+
+
+def test_only_none_means_not_applicable():
+    rewards = _call(_returning([None, 1.0, None, -2.5]))
+    assert torch.isnan(rewards[[0, 2], 0]).all()
+    assert rewards[[1, 3], 0].tolist() == [1.0, -2.5]
+
+
+@pytest.mark.parametrize("returned", ["1.0", "1234", b"1.0", {"a": 1.0, "b": 2.0, "c": 3, "d": 4}])
+def test_a_string_or_mapping_is_reported_as_such_not_as_a_wrong_length(returned):
+    from trl_grpo_ext.scoring import RewardFunctionError
+
+    kind = type(returned).__name__
+    with pytest.raises(
+        RewardFunctionError, match=rf"'scorer' returned a {kind} .*must return a list"
+    ):
+        _call(_returning(returned))
+
+
+def test_booleans_count_as_one_and_zero_as_in_trl():
+    expected = [[1.0, 0.0, 1.0, 0.0]] * 5
+    rewards = _call(
+        _returning([True, False, True, False], "python"),
+        _returning(numpy.array([True, False, True, False]), "numpy_array"),
+        _returning([numpy.bool_(True), numpy.bool_(False)] * 2, "numpy_scalars"),
+        _returning(torch.tensor([True, False, True, False]), "torch_tensor"),
+        _returning([torch.tensor(True), torch.tensor(False)] * 2, "torch_scalars"),
+    )
+    assert rewards.T.tolist() == expected
+    # Mixed with floats and None in one list.
+    assert _call(_returning([True, 0.5, None, False]))[:, 0].nan_to_num(-1).tolist() == [
+        1.0, 0.5, -1.0, 0.0,
+    ]  # fmt: skip
+
+
+def test_per_function_metrics_are_nan_where_trl_logs_nan(tmp_path):
+    from trainer_helpers import logged, make_trainer, odd_first_byte
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    def once(completions, **kwargs):
+        return [0.5] + [None] * (len(completions) - 1)
+
+    trainer = make_trainer(tmp_path, reward_funcs=[odd_first_byte, never, once], max_steps=1)
+    trainer.train()
+    # A column that is None on every row has no mean and no std (TRL: nanmean, nanstd -> NaN),
+    # not a mean of 0 that reads like "always wrong".
+    assert math.isnan(logged(trainer, "rewards/never/mean")[0])
+    assert math.isnan(logged(trainer, "rewards/never/std")[0])
+    # One valid value: its mean, and a NaN std (Bessel's correction of one sample, as trl.nanstd).
+    assert logged(trainer, "rewards/once/mean") == [0.5]
+    assert math.isnan(logged(trainer, "rewards/once/std")[0])
+    assert not math.isnan(logged(trainer, "rewards/odd_first_byte/std")[0])

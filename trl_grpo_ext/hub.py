@@ -3,13 +3,25 @@
 `push_folder` uploads a staging folder that holds exactly what a user loads back: the
 adapter (or the full model without LoRA), the tokenizer and the model card. Checkpoints, logs and
 `training_args.bin` stay local.
+
+A pushed adapter is only loadable by others when its `adapter_config.json` names the base model
+by Hub id. `base_model_hub_id` finds that id (given explicitly, the name the model was loaded
+under, or the Hub cache folder it was loaded from); `point_adapter_at` writes it into the staged
+copy only, so the adapter in `output_dir` keeps the local path and still loads locally.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+# A snapshot in the Hub cache: .../models--{owner}--{name}/snapshots/{commit}. Hub names never
+# hold "--", so the split is unambiguous.
+_CACHE_SNAPSHOT = re.compile(r"models--(?P<owner>[^/\\]+?)--(?P<name>[^/\\]+)[/\\]snapshots[/\\]")
 
 # Fields of the config worth a reader's attention, in the card's training-configuration table.
 CARD_FIELDS = (
@@ -37,7 +49,7 @@ CARD_TEMPLATE = """---
 
 # {model_name}
 
-This model was trained from `{base_model}` with Group Relative Policy Optimization (GRPO) using
+This model was trained from {base_model} with Group Relative Policy Optimization (GRPO) using
 [trl_grpo_ext](https://github.com/trl-grpo-ext/trl_grpo_ext){adapter_note}.
 
 ## Reward functions
@@ -58,6 +70,70 @@ This model was trained from `{base_model}` with Group Relative Policy Optimizati
 """
 
 
+def base_model_hub_id(name_or_path: str | None, given: str | None = None) -> str | None:
+    """The Hub id of a base model, or None when it has none that we know of.
+
+    Args:
+        name_or_path (`str`, *optional*): what the model was loaded from (`config._name_or_path`):
+            a Hub id, a folder of the Hub cache (`.../models--owner--name/snapshots/<commit>`,
+            whose id is read from the path), another local folder (no id), or empty (a model
+            built in code).
+        given (`str`, *optional*): the id the user named explicitly; it wins.
+    """
+    if given:
+        return given
+    if not name_or_path:
+        return None
+    snapshot = _CACHE_SNAPSHOT.search(os.path.abspath(name_or_path))
+    if snapshot and os.path.isdir(name_or_path):
+        return f"{snapshot['owner']}/{snapshot['name']}"
+    if os.path.exists(name_or_path):
+        return None  # a local folder means nothing on the Hub
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return None  # an absolute or relative path that is gone
+    return name_or_path
+
+
+def point_adapter_at(folder: str | os.PathLike, base_model: str) -> bool:
+    """Rewrites `base_model_name_or_path` in `folder/adapter_config.json` to `base_model`.
+
+    Returns whether there was an adapter config to rewrite (a full model has none).
+    """
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as handle:
+        adapter_config = json.load(handle)
+    adapter_config["base_model_name_or_path"] = base_model
+    with open(path, "w") as handle:
+        json.dump(adapter_config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    return True
+
+
+def _loading_snippet(model_name: str, is_adapter: bool, base_model: str | None, local_base):
+    if not is_adapter:
+        return (
+            "from transformers import AutoModelForCausalLM\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{model_name}")'
+        )
+    if base_model:  # adapter_config.json names the base model on the Hub
+        return (
+            "from peft import AutoPeftModelForCausalLM\n\n"
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{model_name}")'
+        )
+    where = f"the local folder `{local_base}`" if local_base else "a model built in code"
+    return (
+        "from peft import PeftModel\n"
+        "from transformers import AutoModelForCausalLM\n\n"
+        f"# The base model was {where}, not a Hub model: load the same weights.\n"
+        'base = AutoModelForCausalLM.from_pretrained("path/to/the/base/model")\n'
+        f'model = PeftModel.from_pretrained(base, "{model_name}")'
+    )
+
+
 def build_model_card(
     *,
     base_model: str | None,
@@ -68,8 +144,15 @@ def build_model_card(
     datasets: list[str] | None = None,
     extra_sections: dict[str, str] | None = None,
     tags: list[str] | None = None,
+    local_base_model: str | None = None,
 ) -> ModelCard:
-    """A model card with Hub metadata (base model, library, tags) and the training setup."""
+    """A model card with Hub metadata (base model, library, tags) and the training setup.
+
+    Args:
+        base_model (`str`, *optional*): the base model's Hub id; None when it has none.
+        local_base_model (`str`, *optional*): the local folder the base model was loaded from,
+            named in the card (never in its metadata) when `base_model` is None.
+    """
     card_data = ModelCardData(
         base_model=base_model,
         library_name="peft" if is_adapter else "transformers",
@@ -77,16 +160,15 @@ def build_model_card(
         datasets=datasets or None,
         pipeline_tag="text-generation",
     )
-    if is_adapter:
-        loading = (
-            "from peft import AutoPeftModelForCausalLM\n\n"
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{model_name}")'
+    if base_model:
+        base_text = f"[`{base_model}`](https://huggingface.co/{base_model})"
+    elif local_base_model:
+        base_text = (
+            f"a base model in a local folder (`{local_base_model}`), not a Hub id: the adapter "
+            "loads onto those same base weights, as below"
         )
     else:
-        loading = (
-            "from transformers import AutoModelForCausalLM\n\n"
-            f'model = AutoModelForCausalLM.from_pretrained("{model_name}")'
-        )
+        base_text = "a model built in code"
     config_rows = "\n".join(
         f"| `{name}` | {getattr(config, name)} |" for name in CARD_FIELDS if hasattr(config, name)
     )
@@ -96,12 +178,12 @@ def build_model_card(
     content = CARD_TEMPLATE.format(
         card_data=card_data.to_yaml(),
         model_name=model_name,
-        base_model=base_model or "a model built in code",
+        base_model=base_text,
         adapter_note=" as a LoRA adapter (PEFT)" if is_adapter else "",
         rewards="\n".join(f"- `{name}`" for name in reward_names),
         config_rows=config_rows,
         extra_sections=extras,
-        loading=loading,
+        loading=_loading_snippet(model_name, is_adapter, base_model, local_base_model),
     )
     return ModelCard(content)
 

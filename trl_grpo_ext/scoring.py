@@ -2,9 +2,11 @@
 
 A reward function is called with keyword arguments only:
 `f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)` and
-returns one `float` or `None` ("not applicable") per completion. `async def` functions run
-concurrently with each other. A function that raises, returns the wrong number of values or a
-non-number stops training with an error naming the function and the sample; nothing is broadcast.
+returns one `float` or `None` ("not applicable") per completion; booleans count as 1.0 / 0.0, as
+in TRL. `async def` functions run concurrently with each other. A function that raises, returns
+something other than a list (a string, a scalar), the wrong number of values, a non-number, or NaN
+or +-inf stops training with an error naming the function, the value and the sample; nothing is
+broadcast, and only `None` means "not applicable" (TRL would read a NaN as one, silently).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import asyncio
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy
 import torch
 
 
@@ -49,10 +52,27 @@ def resolve_reward_funcs(reward_funcs) -> list[Callable]:
     return resolved
 
 
+def _as_float(value) -> float | None:
+    """A single score as a float; booleans (Python, NumPy, 0-d tensors) count as 1.0 / 0.0, the
+    way `torch.tensor` reads them in TRL. `None` when `value` is not a number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+        value = value.item()
+    if isinstance(value, (bool, numpy.bool_)):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
 def _check_scores(name: str, scores, expected: int) -> list[float]:
-    if isinstance(scores, torch.Tensor):
+    if isinstance(scores, (str, bytes, Mapping)):
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned a {type(scores).__name__} ({scores!r:.60}); it "
+            f"must return a list with one float or None per completion ({expected} values)."
+        )
+    if isinstance(scores, (torch.Tensor, numpy.ndarray)):
         scores = scores.tolist()
-    if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
+    if not isinstance(scores, Sequence):
         try:
             scores = list(scores)
         except TypeError:
@@ -67,15 +87,21 @@ def _check_scores(name: str, scores, expected: int) -> list[float]:
         )
     checked = []
     for index, score in enumerate(scores):
-        if score is None:
+        if score is None:  # the only way to say "not applicable"
             checked.append(math.nan)
-        elif isinstance(score, numbers.Real) and not isinstance(score, bool):
-            checked.append(float(score))
-        else:
+            continue
+        value = _as_float(score)
+        if value is None:
             raise RewardFunctionError(
                 f"Reward function {name!r} returned {score!r} ({type(score).__name__}) for sample "
-                f"{index}; each value must be a float, an int, or None (not applicable)."
+                f"{index}; each value must be a float, an int, a bool, or None (not applicable)."
             )
+        if not math.isfinite(value):
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value} for sample {index}; scores must be "
+                "finite. Return None for a completion the function does not apply to."
+            )
+        checked.append(value)
     return checked
 
 

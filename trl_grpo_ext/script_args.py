@@ -63,6 +63,13 @@ class MathScriptArguments:
         default=False, metadata={"help": "Save the best periodic evaluation to output_dir/best."}
     )
     eval_batch_size: int = field(default=64, metadata={"help": "Prompts per generate call."})
+    base_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub id of the base model when model_name_or_path is a local copy of it: "
+            "the pushed adapter_config.json and model card name it."
+        },
+    )
     gguf_file: str | None = field(
         default=None,
         metadata={"help": "GGUF file in model_name_or_path, converted to safetensors first."},

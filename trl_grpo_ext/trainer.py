@@ -700,11 +700,14 @@ class GroupRelativeTrainer(Trainer):
         metrics["reward"].append(total.nanmean().item())
         metrics["reward_std"].append(group_std.nanmean().item())
         metrics["frac_reward_zero_std"].append((group_std < 1e-6).float().mean().item())
+        nan = float("nan")
         for index, name in enumerate(self.reward_names):
+            # Over the rows where the function applied, as TRL logs them: the mean is NaN when it
+            # applied to none, the (Bessel-corrected) std NaN when it applied to fewer than two.
             column = all_rewards[:, index]
             valid = column[~column.isnan()]
-            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else 0.0)
-            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else 0.0)
+            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else nan)
+            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else nan)
         device = self.accelerator.device
         lengths = gather(rollout.completion_lengths.to(device)).float()
         metrics["completions/mean_length"].append(lengths.mean().item())
@@ -876,19 +879,31 @@ class GroupRelativeTrainer(Trainer):
         if self.args.should_save:
             self.create_model_card(output_dir=output_dir)
 
+    # The base model's Hub id, for a model loaded from a local folder (a downloaded or converted
+    # copy): the pushed adapter_config.json and the card name it. None: the id the model was
+    # loaded under, or the Hub cache folder it was loaded from; else the card says it has none.
+    base_model_id: str | None = None
+
+    def _base_model(self) -> tuple[str | None, str | None]:
+        """(Hub id of the base model or None, the local folder it was loaded from or None)."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if is_peft_model(model) else model
+        name_or_path = getattr(base.config, "_name_or_path", None) or None
+        hub_id = hub.base_model_hub_id(name_or_path, given=self.base_model_id)
+        local = name_or_path if name_or_path and os.path.exists(name_or_path) else None
+        return hub_id, local
+
     def create_model_card(
         self, model_name=None, dataset_name=None, tags=None, output_dir=None, **_
     ):
         """Writes `README.md` with Hub metadata, the reward functions and the configuration.
 
         Sections in `trainer.model_card_sections` (title -> markdown) are appended, which is
-        how the recipe adds its before/after table.
+        how the recipe adds its before/after table. The base model is named by its Hub id
+        (`trainer.base_model_id` when set); a local folder is never presented as one.
         """
         model = self.accelerator.unwrap_model(self.model)
-        base = model.get_base_model() if is_peft_model(model) else model
-        base_model = base.config._name_or_path or None
-        if base_model and os.path.isdir(base_model):
-            base_model = None  # a local folder means nothing on the Hub
+        base_model, local_base_model = self._base_model()
         card = hub.build_model_card(
             base_model=base_model,
             is_adapter=is_peft_model(model),
@@ -902,6 +917,7 @@ class GroupRelativeTrainer(Trainer):
             else dataset_name or self.model_card_datasets,
             extra_sections=self.model_card_sections,
             tags=tags,
+            local_base_model=local_base_model,
         )
         card.save(os.path.join(output_dir or self.args.output_dir, "README.md"))
 
@@ -919,7 +935,10 @@ class GroupRelativeTrainer(Trainer):
         The files are saved afresh into a temporary folder and that folder is uploaded, so
         checkpoints, logs and metrics in `output_dir` stay local. The repository is
         `args.hub_model_id` (default: the output folder's name), private when
-        `args.hub_private_repo` is set.
+        `args.hub_private_repo` is set. The uploaded `adapter_config.json` names the base
+        model by its Hub id (`trainer.base_model_id` when set, for a model loaded from a local
+        copy), so `AutoPeftModelForCausalLM.from_pretrained(repo)` works anywhere; the adapter in
+        `output_dir` keeps the local path.
 
         Args:
             extra_files (`list[str]`, *optional*): more files to upload beside them (for
@@ -929,11 +948,22 @@ class GroupRelativeTrainer(Trainer):
         if not self.args.should_save:
             return None
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        base_model, local_base_model = self._base_model()
         with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-save-") as staging:
             self.save_model(staging, _internal_call=True)
             args_file = os.path.join(staging, TRAINING_ARGS_NAME)  # a pickle of the arguments
             if os.path.exists(args_file):
                 os.remove(args_file)
+            if base_model:
+                hub.point_adapter_at(staging, base_model)
+            elif local_base_model and is_peft_model(self.accelerator.unwrap_model(self.model)):
+                warnings.warn(
+                    f"The base model was loaded from the local folder {local_base_model!r}, so "
+                    f"the adapter pushed to {repo_id!r} names no Hub model to load it onto. Set "
+                    "trainer.base_model_id to the base model's Hub id (the recipe's "
+                    "--base_model) to make it loadable with AutoPeftModelForCausalLM.",
+                    stacklevel=2,
+                )
             for path in extra_files or []:
                 shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
             return hub.push_folder(
