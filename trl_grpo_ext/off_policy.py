@@ -17,9 +17,90 @@ Pure tensor code, like `objective.py`; the weights are detached.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 OFF_POLICY_CORRECTIONS = ("none", "tis", "mis")
+
+# TRL's `vllm_importance_sampling_mode`s: (level, action). "token" weighs each token by its own
+# ratio, "sequence" each completion by the product of its tokens' ratios; "truncate" clamps the
+# weight into [C_min, C_max], "mask" sets it to 0 outside that range.
+IMPORTANCE_SAMPLING_MODES = {
+    "token_truncate": ("token", "truncate"),
+    "token_mask": ("token", "mask"),
+    "sequence_truncate": ("sequence", "truncate"),
+    "sequence_mask": ("sequence", "mask"),
+}
+
+
+def importance_sampling_weights(
+    logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights `pi_old / mu` in one of TRL's four modes, with the raw ratios.
+
+    A token whose behaviour log-prob is NaN (an engine that could not score it) gets log-ratio 0,
+    so it is not corrected, as in TRL.
+
+    Args:
+        logps (`torch.Tensor` of shape `(B, T)`): log-probs under the trainer's policy (detached).
+        behaviour_logps (`torch.Tensor` of shape `(B, T)`): log-probs under the sampling policy.
+        completion_mask (`torch.Tensor` of shape `(B, T)`): 1 on completion tokens.
+        mode (`str`): one of `IMPORTANCE_SAMPLING_MODES`.
+        clip_min, clip_max (`float`, *optional*): the range `[C_min, C_max]`; None is unbounded.
+
+    Returns:
+        `(weights, raw)`: both `(B, T)` for "token_*" modes and `(B, 1)` for "sequence_*" ones.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"mode={mode!r} is unknown; use one of {list(IMPORTANCE_SAMPLING_MODES)}.")
+    level, action = IMPORTANCE_SAMPLING_MODES[mode]
+    mask = completion_mask.to(logps.dtype)
+    log_ratio = ((logps.detach() - behaviour_logps) * mask).nan_to_num(0.0)  # (B, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True)  # (B, 1)
+    raw = torch.exp(log_ratio)
+    if action == "truncate":
+        return raw.clamp(min=clip_min, max=clip_max), raw
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return raw.masked_fill((raw < low) | (raw > high), 0.0), raw
+
+
+def importance_sampling_stats(
+    logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    weights: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """TRL's metrics of the mismatch between the engine's and the trainer's log-probs:
+    `sampling/sampling_logp_difference/{mean,max}` over the completion tokens (NaN ones left
+    out) and `sampling/importance_sampling_ratio/{min,mean,max}` of the weights used."""
+    is_token = completion_mask.bool()
+    difference = (logps.detach() - behaviour_logps).abs()[is_token]
+    difference = difference[~difference.isnan()]
+    if weights.shape[1] == 1:  # one weight per sequence
+        used = weights.flatten()
+    else:
+        used = weights[is_token]
+    zero = logps.new_zeros(())
+
+    def reduce(values, function):
+        return function(values) if values.numel() else zero
+
+    return {
+        "sampling/sampling_logp_difference/mean": reduce(difference, torch.mean),
+        "sampling/sampling_logp_difference/max": reduce(difference, torch.max),
+        "sampling/importance_sampling_ratio/min": reduce(used, torch.min),
+        "sampling/importance_sampling_ratio/mean": reduce(used, torch.mean),
+        "sampling/importance_sampling_ratio/max": reduce(used, torch.max),
+    }
 
 
 def off_policy_weights(
@@ -53,18 +134,17 @@ def off_policy_weights(
             f"correction={correction!r} is unknown; use one of {list(OFF_POLICY_CORRECTIONS)}."
         )
     mask = completion_mask.to(logps.dtype)
-    log_ratio = (logps.detach() - behaviour_logps) * mask  # (B, T), 0 on padding
     if correction == "mis":
-        raw = torch.exp(log_ratio.sum(dim=1, keepdim=True))  # (B, 1)
-        kept = (raw >= min_weight) & (raw <= clip)
-        weights = torch.where(kept, raw, torch.zeros_like(raw))
+        weights, raw = importance_sampling_weights(
+            logps, behaviour_logps, mask, mode="sequence_mask", clip_min=min_weight, clip_max=clip
+        )  # (B, 1)
         has_tokens = (mask.sum(dim=1, keepdim=True) > 0).to(raw.dtype)  # (B, 1)
-        return weights, _stats(raw, has_tokens, ~kept)
-    raw = torch.exp(log_ratio)  # (B, T)
+        return weights, _stats(raw, has_tokens, weights == 0)
+    weights, raw = importance_sampling_weights(
+        logps, behaviour_logps, mask, mode="token_truncate", clip_max=clip
+    )  # (B, T)
     stats = _stats(raw, mask, raw > clip)
-    if correction == "none":
-        return None, stats
-    return raw.clamp(max=clip), stats
+    return (None if correction == "none" else weights), stats
 
 
 def _stats(raw: torch.Tensor, valid: torch.Tensor, clipped: torch.Tensor) -> dict:
