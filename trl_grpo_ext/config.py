@@ -487,12 +487,15 @@ class GroupRelativeConfig(TrainingArguments):
             self.bf16 = bool(
                 not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
             )
-        if (
-            self.gradient_checkpointing_kwargs is None
-            and self.activation_checkpointing_kwargs is None
-        ):
-            # Non-reentrant checkpointing also works when the inputs do not require grad (LoRA).
-            self.activation_checkpointing_kwargs = {"use_reentrant": False}
+        # Non-reentrant checkpointing also works when the inputs do not require grad (LoRA).
+        # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_*.
+        name = (
+            "activation_checkpointing_kwargs"
+            if hasattr(self, "activation_checkpointing_kwargs")
+            else "gradient_checkpointing_kwargs"
+        )
+        if self.gradient_checkpointing_kwargs is None and getattr(self, name) is None:
+            setattr(self, name, {"use_reentrant": False})
         super().__post_init__()
         if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
