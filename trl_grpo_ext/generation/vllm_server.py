@@ -88,8 +88,11 @@ class VLLMServerEngine:
             request = urllib.request.Request(url, data=data, headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    body = response.read()
-                return json.loads(body) if body.strip() else None
+                    body = response.read().decode(errors="replace")
+                try:
+                    return json.loads(body)
+                except ValueError:  # the adapter endpoints answer in plain text
+                    return body
             except urllib.error.HTTPError as error:
                 message = error.read().decode(errors="replace")
                 if error.code < 500:  # the server answered: retrying would not change it

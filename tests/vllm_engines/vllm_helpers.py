@@ -1,10 +1,14 @@
 """Checks shared by the colocated and server engine tests: each takes an engine and compares
 it with `transformers` on the same model and tokens."""
 
+import copy
+
 import torch
 
 from trl_grpo_ext.generation import sampling_config
 from trl_grpo_ext.rollout import completion_logprobs, generate_with_transformers
+
+MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
 
 
 def config(tokenizer, **settings):
@@ -59,3 +63,25 @@ def assert_sampled_logprobs_match_trainer(engine, model, tokenizer, prompts, tem
     assert torch.equal(again[2], output[2])
     assert not torch.equal(output[2][0], output[2][1])
     return output
+
+
+def lora_adapter(base_model, path, seed, rank=4):
+    """Saves a LoRA adapter with random (non-zero) weights, large enough to change greedy
+    decoding, to `path`; returns the PEFT model (for reference outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+        init_lora_weights=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(copy.deepcopy(base_model), config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model.eval()

@@ -21,10 +21,9 @@ import urllib.request  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from vllm_helpers import MAX_LORA_RANK  # noqa: E402
 
 from trl_grpo_ext.tiny import save_tiny  # noqa: E402
-
-MAX_LORA_RANK = 8
 
 
 @pytest.fixture(scope="session")
@@ -118,27 +117,3 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
-
-
-def lora_adapter(base_model, path, seed, rank=4):
-    """Saves a LoRA adapter with random (non-zero) weights, large enough to change greedy
-    decoding, to `path`; returns the PEFT model (for reference outputs)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
-        init_lora_weights=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = get_peft_model(copy.deepcopy(base_model), config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return model.eval()

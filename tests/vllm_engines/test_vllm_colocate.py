@@ -6,12 +6,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import MAX_LORA_RANK, lora_adapter  # noqa: E402
-from helpers import (  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
     completion_mask,
     config,
+    lora_adapter,
 )
 
 from trl_grpo_ext.generation.vllm_sampling import sampling_params  # noqa: E402
