@@ -69,3 +69,26 @@ docs: $(DOCS_STAMP)
 
 figures: $(STAMP)
 	$(PY) docs/figures.py
+
+# vLLM: `make test-vllm` builds a separate environment once (.venv-vllm: vLLM's CPU build with the
+# stack it is tested against, tests/vllm_engines/requirements.txt) and runs the tests that use a real
+# engine. The torchvision, torchaudio and torchcodec that pip pulls in are CUDA builds that fail
+# to load and break `import peft`: removed.
+.PHONY: test-vllm clean-venv-vllm
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q -r tests/vllm_engines/requirements.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . --no-deps
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VLLM_PY) -m pytest -q -m vllm tests/vllm_engines
+
+clean-venv-vllm:
+	rm -rf $(VLLM_VENV)

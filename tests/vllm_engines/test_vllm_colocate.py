@@ -1,0 +1,143 @@
+"""The colocated vLLM engine against `transformers` on the same tiny model: it samples exactly
+the settings of the config, its log-probs are the trainer's, and published weights are used."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import (  # noqa: E402
+    MAX_LORA_RANK,
+    assert_greedy_matches_transformers,
+    assert_sampled_logprobs_match_trainer,
+    completion_mask,
+    config,
+    lora_adapter,
+)
+
+from trl_grpo_ext.generation.vllm_sampling import sampling_params  # noqa: E402
+from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def test_sampling_params_carry_every_setting_of_the_config(tokenizer):
+    settings = dict(
+        max_new_tokens=9,
+        num_return_sequences=4,
+        temperature=0.6,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+    )
+    params = sampling_params(config(tokenizer, **settings), seed=3)
+    assert (params.n, params.max_tokens, params.seed) == (4, 9, 3)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
+    assert params.min_p == pytest.approx(0.05) and params.repetition_penalty == 1.1
+    assert params.stop_token_ids == [tokenizer.eos_token_id] and params.logprobs == 0
+    # disabled filters: top_k=0 and min_p=None are vLLM's "consider all tokens"
+    params = sampling_params(config(tokenizer, top_k=0, min_p=None), seed=None)
+    assert (params.top_k, params.min_p, params.top_p) == (0, 0.0, 1.0)
+    assert params.temperature == 0.0 or config(tokenizer).do_sample
+    assert sampling_params(config(tokenizer, greedy=True)).temperature == 0.0
+
+
+def test_settings_vllm_cannot_honour_are_a_clear_error(tokenizer):
+    beams = config(tokenizer, generation_kwargs={"num_beams": 2, "no_repeat_ngram_size": 3})
+    with pytest.raises(ValueError, match="no_repeat_ngram_size, num_beams.*use_vllm=False"):
+        sampling_params(beams)
+
+
+def test_starting_the_engine_keeps_the_random_generators_and_set_num_threads(colocate_engine):
+    assert colocate_engine.process_state == dict(rng_kept=True, set_num_threads_kept=True)
+
+
+def test_greedy_output_equals_transformers_token_for_token(
+    colocate_engine, hf_model, tokenizer, prompts
+):
+    assert_greedy_matches_transformers(colocate_engine, hf_model, tokenizer, prompts)
+
+
+def test_top_k_1_sampling_equals_greedy(colocate_engine, tokenizer, prompts):
+    greedy = colocate_engine.generate(*prompts, config(tokenizer, greedy=True))
+    top1 = colocate_engine.generate(
+        *prompts, config(tokenizer, top_k=1, temperature=1.5, num_return_sequences=2), seed=5
+    )
+    assert torch.equal(top1[2][::2], greedy[2]) and torch.equal(top1[2][1::2], greedy[2])
+
+
+def test_sampled_token_logprobs_are_the_trainers(colocate_engine, hf_model, tokenizer, prompts):
+    assert_sampled_logprobs_match_trainer(colocate_engine, hf_model, tokenizer, prompts)
+
+
+def test_top_k_samples_inside_the_top_k_and_returns_the_truncated_logprobs(
+    colocate_engine, hf_model, tokenizer, prompts
+):
+    """With a truncating filter the engine's log-probs are those of the distribution the token was
+    drawn from: the top-k tokens' tempered softmax, renormalised."""
+    top_k, temperature = 3, 1.3
+    output = colocate_engine.generate(
+        *prompts, config(tokenizer, top_k=top_k, temperature=temperature), seed=11
+    )
+    prompt_ids, prompt_mask, completion_ids, logps = output
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    with torch.no_grad():
+        logits = hf_model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = logits[:, prompt_ids.shape[1] - 1 : -1] / temperature  # (B, T, V)
+    kept = logits.topk(top_k, dim=-1).values[..., -1:]  # the k-th largest
+    truncated = logits.masked_fill(logits < kept, float("-inf")).log_softmax(-1)
+    expected = truncated.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    assert torch.isfinite(expected[mask.bool()]).all()  # every token inside the top k
+    torch.testing.assert_close(logps * mask, expected * mask, atol=1e-4, rtol=0)
+
+
+def test_published_adapter_versions_advance_and_generation_uses_the_latest(
+    colocate_engine, hf_model, tokenizer, prompts, tmp_path
+):
+    greedy = config(tokenizer, greedy=True)
+    base = colocate_engine.generate(*prompts, greedy)[2]
+    try:
+        for version, seed in [(1, 1), (2, 2)]:
+            peft_model = lora_adapter(hf_model, tmp_path / f"v{version}", seed=seed)
+            colocate_engine.publish_adapter(tmp_path / f"v{version}", version)
+            assert colocate_engine.adapter_version == version
+            output = colocate_engine.generate(*prompts, greedy)
+            with torch.no_grad():
+                expected = generate_with_transformers(
+                    peft_model, *prompts, generation_config=greedy, return_logprobs=True
+                )
+            assert not torch.equal(output[2], base)  # the adapter changes the output...
+            assert torch.equal(output[2], expected[2])  # ...into peft's, token for token
+            mask = completion_mask(expected[2], tokenizer.eos_token_id)
+            torch.testing.assert_close(output[3] * mask, expected[3] * mask, atol=1e-4, rtol=0)
+        with pytest.raises(ValueError, match=f"max_lora_rank={2 * MAX_LORA_RANK}"):
+            lora_adapter(hf_model, tmp_path / "big", seed=3, rank=2 * MAX_LORA_RANK)
+            colocate_engine.publish_adapter(tmp_path / "big", 3)
+    finally:
+        colocate_engine.adapter = None
+
+
+def test_load_weights_replaces_the_engines_weights(colocate_engine, tokenizer, prompts):
+    from trl_grpo_ext.tiny import build_tiny_model
+
+    other = build_tiny_model(
+        tokenizer, seed=1, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2
+    ).eval()
+    original = {name: tensor.clone() for name, tensor in other.state_dict().items()}
+    greedy = config(tokenizer, greedy=True)
+    colocate_engine.load_weights(other.state_dict().items())
+    try:
+        with torch.no_grad():
+            expected = generate_with_transformers(other, *prompts, generation_config=greedy)
+        assert torch.equal(colocate_engine.generate(*prompts, greedy)[2], expected[2])
+    finally:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(
+            colocate_engine.llm.llm_engine.model_config.model
+        )
+        colocate_engine.load_weights(base.state_dict().items())
+    assert all(torch.equal(original[name], tensor) for name, tensor in other.state_dict().items())

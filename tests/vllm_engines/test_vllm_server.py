@@ -1,0 +1,124 @@
+"""The server engine against a real, unmodified vLLM server (started by the `vllm_server`
+fixture): the same checks as the colocated engine, the errors a user meets, and a server killed
+in the middle of a run."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import (  # noqa: E402
+    MAX_LORA_RANK,
+    assert_greedy_matches_transformers,
+    assert_sampled_logprobs_match_trainer,
+    completion_mask,
+    config,
+    lora_adapter,
+)
+
+from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerError  # noqa: E402
+from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server_engine(vllm_server):
+    base_url, _ = vllm_server
+    engine = VLLMServerEngine(base_url, timeout=60, retries=2, backoff=0.2)
+    engine.wait_until_ready()
+    return engine
+
+
+def test_greedy_output_equals_transformers_token_for_token(
+    server_engine, hf_model, tokenizer, prompts
+):
+    assert_greedy_matches_transformers(server_engine, hf_model, tokenizer, prompts)
+
+
+def test_sampled_token_logprobs_are_the_trainers(server_engine, hf_model, tokenizer, prompts):
+    assert_sampled_logprobs_match_trainer(server_engine, hf_model, tokenizer, prompts)
+
+
+def test_top_k_1_sampling_equals_greedy(server_engine, tokenizer, prompts):
+    greedy = server_engine.generate(*prompts, config(tokenizer, greedy=True))
+    top1 = server_engine.generate(
+        *prompts, config(tokenizer, top_k=1, temperature=1.5, num_return_sequences=2), seed=5
+    )
+    assert torch.equal(top1[2][::2], greedy[2]) and torch.equal(top1[2][1::2], greedy[2])
+
+
+def test_published_adapter_versions_advance_and_generation_uses_the_latest(
+    server_engine, hf_model, tokenizer, prompts, tmp_path
+):
+    greedy = config(tokenizer, greedy=True)
+    base = server_engine.generate(*prompts, greedy)[2]
+    for version, seed in [(1, 1), (2, 2), (2, 3)]:  # version 2 published again: replaced
+        peft_model = lora_adapter(hf_model, tmp_path / f"v{version}-{seed}", seed=seed)
+        server_engine.publish_adapter(tmp_path / f"v{version}-{seed}", version)
+        assert server_engine.adapter_version == version
+        output = server_engine.generate(*prompts, greedy)
+        with torch.no_grad():
+            expected = generate_with_transformers(
+                peft_model, *prompts, generation_config=greedy, return_logprobs=True
+            )
+        assert not torch.equal(output[2], base)
+        assert torch.equal(output[2], expected[2])
+        mask = completion_mask(expected[2], tokenizer.eos_token_id)
+        torch.testing.assert_close(output[3] * mask, expected[3] * mask, atol=1e-4, rtol=0)
+    served = [entry["id"] for entry in server_engine._request("/v1/models")["data"]]
+    assert "adapter-v1" not in served and "adapter-v2" in served  # older versions unloaded
+
+
+def test_adapter_rank_above_the_servers_max_lora_rank_is_a_clear_error(
+    server_engine, hf_model, tmp_path
+):
+    rank = 2 * MAX_LORA_RANK
+    lora_adapter(hf_model, tmp_path / "big", seed=0, rank=rank)
+    with pytest.raises(VLLMServerError, match=f"--max-lora-rank {rank}") as error:
+        server_engine.publish_adapter(tmp_path / "big", 9)
+    assert server_engine.base_url in str(error.value)
+
+
+def test_full_fine_tuning_against_a_server_is_a_clear_error(server_engine, hf_model):
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        server_engine.load_weights(hf_model.state_dict().items())
+
+
+def test_a_server_that_is_down_is_a_clear_error_naming_the_url(tokenizer, prompts):
+    engine = VLLMServerEngine("http://127.0.0.1:9", timeout=2, retries=2, backoff=0.1)
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError, match=r"127\.0\.0\.1:9/v1/completions.*3 attempts"):
+        engine._model = "model"
+        engine.generate(*prompts, config(tokenizer, greedy=True))
+    assert time.monotonic() - start < 5
+
+
+def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
+    vllm_server, server_engine, tokenizer, prompts
+):
+    """Runs last in this module: it kills the module's server."""
+    _, process = vllm_server
+    long_run = config(tokenizer, max_new_tokens=400, num_return_sequences=16, temperature=1.0)
+    errors = []
+
+    def generate():
+        try:
+            for seed in range(100):
+                server_engine.generate(*prompts, long_run, seed=seed)
+        except VLLMServerError as error:
+            errors.append((time.monotonic(), error))
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(1.0)
+    process.kill()
+    killed = time.monotonic()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and errors, "generate neither failed nor finished"
+    failed_at, error = errors[0]
+    assert server_engine.base_url in str(error)
+    assert failed_at - killed < 5  # 3 attempts, 0.2 + 0.4 s of back-off

@@ -1,0 +1,87 @@
+"""Checks shared by the colocated and server engine tests: each takes an engine and compares
+it with `transformers` on the same model and tokens."""
+
+import copy
+
+import torch
+
+from trl_grpo_ext.generation import sampling_config
+from trl_grpo_ext.rollout import completion_logprobs, generate_with_transformers
+
+MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
+
+
+def config(tokenizer, **settings):
+    settings.setdefault("max_new_tokens", 12)
+    return sampling_config(
+        eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, **settings
+    )
+
+
+def trainer_logprobs(model, output, temperature):
+    """The trainer's `log softmax(z / T)[o_t]` of the engine's completions `(B*G, T)`."""
+    prompt_ids, prompt_mask, completion_ids, _ = output
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    with torch.no_grad():
+        return completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature)
+
+
+def completion_mask(completion_ids, eos_id):
+    """1 up to and including each row's first eos `(B*G, T)`."""
+    is_eos = completion_ids == eos_id
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~after_eos).float()
+
+
+def assert_greedy_matches_transformers(engine, model, tokenizer, prompts):
+    prompt_ids, prompt_mask = prompts
+    greedy = config(tokenizer, greedy=True)
+    output = engine.generate(prompt_ids, prompt_mask, greedy, seed=0)
+    with torch.no_grad():
+        reference = generate_with_transformers(
+            model, prompt_ids, prompt_mask, generation_config=greedy, return_logprobs=True
+        )
+    assert torch.equal(output[0], reference[0]) and torch.equal(output[1], reference[1])
+    assert torch.equal(output[2], reference[2])  # token for token
+    mask = completion_mask(reference[2], tokenizer.eos_token_id)
+    torch.testing.assert_close(output[3] * mask, reference[3] * mask, atol=1e-4, rtol=0)
+    return output
+
+
+def assert_sampled_logprobs_match_trainer(engine, model, tokenizer, prompts, temperature=0.7):
+    prompt_ids, prompt_mask = prompts
+    sampled = config(tokenizer, num_return_sequences=3, temperature=temperature)
+    output = engine.generate(prompt_ids, prompt_mask, sampled, seed=7)
+    assert output[2].shape[0] == 6 and output[0].shape == (6, prompt_ids.shape[1])
+    torch.testing.assert_close(output[0][::3], prompt_ids)  # groups consecutive
+    mask = completion_mask(output[2], tokenizer.eos_token_id)
+    expected = trainer_logprobs(model, output, temperature)
+    torch.testing.assert_close(output[3] * mask, expected * mask, atol=1e-4, rtol=0)
+    # the same seed gives the same completions; the samples of a group differ
+    again = engine.generate(prompt_ids, prompt_mask, sampled, seed=7)
+    assert torch.equal(again[2], output[2])
+    assert not torch.equal(output[2][0], output[2][1])
+    return output
+
+
+def lora_adapter(base_model, path, seed, rank=4):
+    """Saves a LoRA adapter with random (non-zero) weights, large enough to change greedy
+    decoding, to `path`; returns the PEFT model (for reference outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+        init_lora_weights=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(copy.deepcopy(base_model), config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model.eval()

@@ -1,0 +1,222 @@
+"""A `vllm.LLM` in the training process: the colocated generation engine.
+
+`VLLMColocateEngine.generate` takes the left-padded prompts and the `GenerationConfig` of
+`generation.sampling_config` and returns the tensors of `rollout.generate_with_transformers(...,
+return_logprobs=True)`. New weights reach the engine as a LoRA adapter version
+(`publish_adapter`, a `LoRARequest` per version, the base weights never merged) or, under full
+fine-tuning, as named tensors (`load_weights`).
+
+vLLM in the training process changes process-wide state: building the engine seeds the global
+random generators, and in-process mode (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) its CPU worker
+replaces `torch.set_num_threads` with a no-op and starts a one-process `torch.distributed`
+group. The engine restores the random generators and `torch.set_num_threads` after start-up;
+the process group stays (vLLM uses it), with world size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import numpy as np
+import torch
+
+from .vllm_sampling import prompt_seeds, sampling_params, to_tensors, unpadded_prompts
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Restores the random generators, `torch.set_num_threads` and the thread count that
+    starting vLLM changes."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+
+def checkpoint_dtype(model) -> str:
+    """The dtype the checkpoint's config names (float32 when it names none)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model))
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype else "float32"
+
+
+class VLLMColocateEngine:
+    """Generation with a `vllm.LLM` living in this process.
+
+    Args:
+        model (`str`):
+            Folder (or hub id) of the model the trainer starts from; vLLM loads it itself.
+        gpu_memory_utilization (`float`, *optional*, defaults to 0.3):
+            Fraction of the GPU's memory vLLM may take for weights and KV cache (TRL's
+            `vllm_gpu_memory_utilization`); the trainer keeps the rest. Unused on CPU, where
+            `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the cache.
+        max_model_len (`int`, *optional*):
+            Longest prompt plus completion (TRL's `vllm_max_model_length`); the checkpoint's
+            limit when None.
+        tensor_parallel_size (`int`, *optional*, defaults to 1):
+            GPUs the engine spreads the model over.
+        enable_sleep_mode (`bool`, *optional*, defaults to `False`):
+            GPU only: release the engine's memory between generations (`sleep`/`wake_up`).
+        max_lora_rank (`int`, *optional*):
+            Serve LoRA adapters up to this rank (`publish_adapter`); None for full fine-tuning.
+        dtype (`str`, *optional*):
+            The engine's weights dtype; the checkpoint's own (`torch_dtype` in its config) when
+            None, as `from_pretrained` loads it. (vLLM's "auto" turns float32 into bfloat16 on
+            CPU, where the log-probs then differ from the trainer's by up to 0.1.)
+        seed (`int`, *optional*, defaults to 0):
+            The engine's seed (each `generate` call takes its own seed too).
+        llm_kwargs (`dict`, *optional*):
+            Further `vllm.LLM` arguments (e.g. `dtype`), over the ones above.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        max_lora_rank: int | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        llm_kwargs: dict | None = None,
+    ):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode and on_cpu:
+            raise ValueError(
+                "vllm_enable_sleep_mode needs a GPU; vLLM's CPU build has no sleep mode. "
+                "Set vllm_enable_sleep_mode=False."
+            )
+        settings = dict(
+            model=str(model),
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            # log-probs after temperature and filters: see vllm_sampling
+            logprobs_mode="processed_logprobs",
+            # sampling settings come from the trainer's config, never the checkpoint's
+            generation_config="vllm",
+            enforce_eager=on_cpu,
+            dtype=dtype or checkpoint_dtype(model),
+        )
+        if not on_cpu:
+            settings["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_lora_rank is not None:
+            settings.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        settings.update(llm_kwargs or {})
+        with _process_state_kept():
+            self.llm = LLM(**settings)
+        self.max_lora_rank = max_lora_rank
+        self.enable_sleep_mode = enable_sleep_mode
+        self.adapter = None  # the LoRARequest of the latest published version
+        self.adapter_version = None
+        self._adapter_ids = 0
+        if enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        """Samples `num_return_sequences` completions per prompt with the latest weights.
+
+        Args:
+            prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`.
+            generation_config (`transformers.GenerationConfig`): from `generation.sampling_config`.
+            seed (`int`, *optional*): the same seed gives the same completions.
+
+        Returns:
+            `(prompt_ids, prompt_mask, completion_ids, logps)`, as
+            `rollout.generate_with_transformers(..., return_logprobs=True)`.
+        """
+        group_size = generation_config.num_return_sequences or 1
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        params = [
+            sampling_params(generation_config, prompt_seed)
+            for prompt_seed in prompt_seeds(seed, len(prompts), group_size)
+        ]
+        if self.enable_sleep_mode:
+            self.llm.wake_up()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts],
+            sampling_params=params,
+            lora_request=self.adapter,
+            use_tqdm=False,
+        )
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+        completions, logprobs = [], []
+        for output in outputs:
+            for sample in sorted(output.outputs, key=lambda sample: sample.index):
+                tokens = list(sample.token_ids)
+                completions.append(tokens)
+                logprobs.append(
+                    [step[token].logprob for token, step in zip(tokens, sample.logprobs)]
+                )
+        return to_tensors(prompt_ids, prompt_mask, completions, logprobs, generation_config)
+
+    def publish_adapter(self, adapter_dir, version: int) -> None:
+        """Makes the PEFT adapter saved in `adapter_dir` the one every later `generate` uses.
+
+        The base weights stay as loaded; each version is a new `LoRARequest`, and the previous
+        one is dropped from the engine.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from .vllm_sampling import adapter_rank
+
+        if self.max_lora_rank is None:
+            raise ValueError(
+                "This vLLM engine was started without LoRA: build it with max_lora_rank set "
+                "(the adapter's rank or more) to publish adapters, or use load_weights."
+            )
+        rank = adapter_rank(adapter_dir)
+        if rank > self.max_lora_rank:
+            raise ValueError(
+                f"The adapter in {adapter_dir} has rank {rank}, above the engine's max_lora_rank "
+                f"{self.max_lora_rank}: build the engine with max_lora_rank={rank} or more."
+            )
+        previous = self.adapter
+        self._adapter_ids += 1  # a fresh id even when a version is published again (resume)
+        self.adapter = LoRARequest(
+            lora_name=f"adapter-v{version}",
+            lora_int_id=self._adapter_ids,
+            lora_path=os.path.abspath(adapter_dir),
+        )
+        self.adapter_version = version
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def load_weights(self, named_tensors) -> None:
+        """Copies full weights (an iterable of `(name, tensor)` with the checkpoint's names) into
+        the engine, for full fine-tuning; later `generate` calls use them.
+
+        vLLM's in-place reload (`reload_weights` of its workers) is used: it restores the weight
+        loaders that vLLM's post-load processing (e.g. CPU weight packing) removes, which a plain
+        `model.load_weights` call trips over.
+        """
+        weights = [(name, tensor.detach().contiguous()) for name, tensor in named_tensors]
+        if self.enable_sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
+        )
+        self.llm.reset_prefix_cache()
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
