@@ -26,7 +26,7 @@ from .objective import (
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_MODES,
 )
-from .off_policy import OFF_POLICY_CORRECTIONS
+from .off_policy import IMPORTANCE_SAMPLING_MODES, OFF_POLICY_CORRECTIONS
 
 # Fields of `trl.GRPOConfig` whose default differs here, with the reason. `docs/coming-from-trl.md`
 # shows this table and a test checks that every other field has TRL's default.
@@ -43,8 +43,8 @@ TRL_DIFFERENCES: dict[str, str] = {
 # Fields of `trl.GRPOConfig` that are accepted (so a TRL YAML parses) but whose non-default values
 # are not implemented here: field -> what to do instead. A non-default value is an error.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "use_vllm": "generation runs with transformers' generate; set use_vllm: false (a vLLM "
-    "engine is being built)",
+    "vllm_model_impl": "leave it at 'vllm'",
+    "vllm_structured_outputs_regex": "leave it unset; constrain completions with a reward",
     "router_aux_loss_coef": "train dense models, or leave it unset",
     "use_adaptive_entropy": "set entropy_coef to a fixed value instead",
     "use_transformers_continuous_batching": "leave it false; generation is batched per group",
@@ -400,9 +400,20 @@ class GroupRelativeConfig(TrainingArguments):
 
     # TRL's generation engines other than transformers' generate
     use_vllm: bool = field(
-        default=False, metadata={"help": "Generate with vLLM (TRL); not implemented here yet."}
+        default=False,
+        metadata={
+            "help": "Generate with vLLM instead of transformers' generate: in this process "
+            "(vllm_mode 'colocate') or on a running `vllm serve` ('server'), which gets each new "
+            "LoRA adapter as it is trained. Needs `pip install vllm`."
+        },
     )
-    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server'."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vllm.LLM in the training process; 'server': an unmodified "
+            "vLLM server started with --enable-lora (LoRA training only)."
+        },
+    )
     vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation."})
     vllm_enable_sleep_mode: bool = field(
         default=False, metadata={"help": "Offload vLLM's weights and cache while training."}
@@ -523,6 +534,10 @@ class GroupRelativeConfig(TrainingArguments):
                 )
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 1:
             fail(f"logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 (or None).")
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if self.use_vllm:
+            self._validate_vllm(fail)
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
         if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
@@ -639,6 +654,32 @@ class GroupRelativeConfig(TrainingArguments):
             isinstance(weight, (int, float)) for weight in self.reward_weights
         ):
             fail(f"reward_weights={self.reward_weights} must be a list of numbers.")
+
+    def _validate_vllm(self, fail):
+        if self.vllm_mode not in ("colocate", "server"):
+            fail(f"vllm_mode={self.vllm_mode!r} is unknown; use 'colocate' or 'server'.")
+        if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+            fail(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; "
+                f"use one of {list(IMPORTANCE_SAMPLING_MODES)}."
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            fail(
+                f"vllm_importance_sampling_clip_min={low} must be below "
+                f"vllm_importance_sampling_clip_max={high}."
+            )
+        if (
+            self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode.endswith("truncate")
+            and low is None
+            and high is None
+        ):
+            fail(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates "
+                "the weights into [clip_min, clip_max]: set vllm_importance_sampling_clip_max "
+                "(or _clip_min)."
+            )
 
     @property
     def prompts_per_generation(self) -> int:

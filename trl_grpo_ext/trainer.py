@@ -17,6 +17,7 @@ accumulation and data parallelism.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import gc
 import itertools
@@ -51,6 +52,13 @@ from .generation import (
     is_conversational,
     sampling_config_from_args,
 )
+from .generation.engines import (
+    EngineWorker,
+    TransformersEngine,
+    WeightPublisher,
+    build_engine,
+    engine_model_folder,
+)
 from .objective import (
     LOSS_TYPE_TABLE,
     entropy_bonus,
@@ -59,14 +67,13 @@ from .objective import (
     policy_loss,
     weighted_rewards,
 )
-from .off_policy import off_policy_weights
+from .off_policy import importance_sampling_stats, importance_sampling_weights, off_policy_weights
 from .rollout import (
     Rollout,
     completion_logprobs,
     completion_mask_from_ids,
     concat_rollouts,
     eos_token_ids,
-    generate_with_transformers,
     generation_seed,
     pad_rollout,
     seeded,
@@ -198,6 +205,10 @@ class GroupRelativeTrainer(Trainer):
                 )
             check_chat_template(processing_class, dataset, split)
 
+        engine_folder = None
+        if args.use_vllm and args.vllm_mode == "colocate":
+            base = model.get_base_model() if is_peft_model(model) else model
+            engine_folder = engine_model_folder(base, processing_class)
         if peft_config is not None:
             if is_peft_model(model):
                 raise ValueError("model is already a PeftModel; do not also pass peft_config.")
@@ -248,6 +259,18 @@ class GroupRelativeTrainer(Trainer):
             args, num_return_sequences=args.num_generations_eval or args.num_generations, **sampling
         )
         self._sampling = self.generation_config  # the eval one inside evaluate()
+        lora_rank = None
+        if is_peft_model(model):
+            lora_rank = max(config.r for config in model.peft_config.values())
+        self.engine = build_engine(args, self._policy_for_generation, engine_folder, lora_rank)
+        self.weight_publisher = None
+        if not isinstance(self.engine, TransformersEngine):
+            self.weight_publisher = WeightPublisher(
+                self.engine,
+                lambda: self.accelerator.unwrap_model(self.model),
+                lora_rank is not None,
+            )
+            weakref.finalize(self, self.weight_publisher.close)
         self._buffer: list[dict] | None = None
         self._pipeline: RolloutPipeline | None = None
         self._lookahead: list = []
@@ -326,9 +349,23 @@ class GroupRelativeTrainer(Trainer):
         Returns:
             [`Rollout`] with `len(rows) * num_generations` completions, groups consecutive.
         """
+        prompt_ids, prompt_mask = self.prompt_encoder.encode([row["prompt"] for row in rows])
+        seed = None  # transformers samples from the global generator, seeded by the caller
+        if self.weight_publisher is not None:  # an engine with its own copy of the weights
+            self.weight_publisher.publish(self.state.global_step)
+            seed = int(torch.randint(0, 2**31 - 1, ()))
+        prompt_ids, prompt_mask, completion_ids, behaviour_logps = self.engine.generate(
+            prompt_ids, prompt_mask, self._sampling, seed
+        )
+        return self._build_rollout(
+            rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps=behaviour_logps
+        )
+
+    @contextlib.contextmanager
+    def _policy_for_generation(self):
+        """The model to generate with: unwrapped from DDP (gathered under ZeRO-3), in eval mode."""
         from trl.models import unwrap_model_for_generation
 
-        prompt_ids, prompt_mask = self.prompt_encoder.encode([row["prompt"] for row in rows])
         with unwrap_model_for_generation(
             self.model_wrapped,
             self.accelerator,
@@ -336,11 +373,10 @@ class GroupRelativeTrainer(Trainer):
         ) as policy:
             was_training = policy.training
             policy.eval()
-            prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                policy, prompt_ids, prompt_mask, generation_config=self._sampling
-            )
-            policy.train(was_training)
-        return self._build_rollout(rows, prompt_ids, prompt_mask, completion_ids)
+            try:
+                yield policy
+            finally:
+                policy.train(was_training)
 
     def _build_rollout(
         self, rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps=None, version=None
@@ -437,16 +473,7 @@ class GroupRelativeTrainer(Trainer):
             entropy_mask = high_entropy_mask(
                 entropy.detach(), batch["completion_mask"], args.top_entropy_quantile
             )
-        importance_weights, off_policy_stats = None, {}
-        if "behaviour_logps" in batch:  # rollouts from the asynchronous worker
-            importance_weights, off_policy_stats = off_policy_weights(
-                batch.get("old_logps", logps),  # pi_old / mu
-                batch["behaviour_logps"],
-                batch["completion_mask"],
-                correction=args.off_policy_correction,
-                clip=args.off_policy_clip,
-                min_weight=args.off_policy_min,
-            )
+        importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         loss, stats = policy_loss(
             logps,
             batch.get("old_logps"),
@@ -483,6 +510,37 @@ class GroupRelativeTrainer(Trainer):
         return loss, metrics
 
     # ------------------------------------------------------------------ internals
+
+    def _behaviour_correction(self, batch: dict, logps: torch.Tensor):
+        """Importance weights `pi_old / mu` for rollouts whose sampling policy `mu` is not the
+        trainer's (a vLLM engine, the asynchronous worker), and their statistics."""
+        if "behaviour_logps" not in batch:
+            return None, {}
+        args = self.args
+        old_logps = batch.get("old_logps", logps)  # pi_old
+        if not args.use_vllm:  # the local asynchronous worker
+            return off_policy_weights(
+                old_logps,
+                batch["behaviour_logps"],
+                batch["completion_mask"],
+                correction=args.off_policy_correction,
+                clip=args.off_policy_clip,
+                min_weight=args.off_policy_min,
+            )
+        weights, _ = importance_sampling_weights(
+            old_logps,
+            batch["behaviour_logps"],
+            batch["completion_mask"],
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+        stats = importance_sampling_stats(
+            old_logps, batch["behaviour_logps"], batch["completion_mask"], weights
+        )
+        if not args.vllm_importance_sampling_correction:
+            weights = None
+        return weights, stats
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else
@@ -564,6 +622,12 @@ class GroupRelativeTrainer(Trainer):
         return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
     def _rollout_pipeline(self) -> RolloutPipeline:
+        if self._pipeline is None and self.weight_publisher is not None:
+            # The engine generates while the trainer trains; weights go to it as published.
+            worker = EngineWorker(self.engine, self.weight_publisher, self.generation_config)
+            worker = ResumableWorker(worker, restored=self._resumed_rollouts)
+            self._resumed_rollouts = None
+            self._pipeline = RolloutPipeline(worker, self.args.max_staleness)
         if self._pipeline is None:
             model = self.accelerator.unwrap_model(self.model)
             if model.device.type != "cpu":
