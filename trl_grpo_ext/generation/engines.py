@@ -171,14 +171,14 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
     if not args.use_vllm:
         return TransformersEngine(policy)
     if args.vllm_mode == "server":
-        from .vllm_server import VLLMServerEngine
-
         if lora_rank is None:
             raise ValueError(
                 "vllm_mode='server' publishes new weights to the server as LoRA adapters; full "
                 "fine-tuning cannot be served that way. Pass a peft_config (LoRA), or use "
                 "vllm_mode='colocate'."
             )
+        from .vllm_server import VLLMServerEngine
+
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         engine = VLLMServerEngine(url, timeout=args.vllm_server_timeout)
         engine.wait_until_ready()

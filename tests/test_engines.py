@@ -1,0 +1,167 @@
+"""The trainer's side of an engine that holds its own copy of the weights (vLLM colocated or on a
+server), with a stand-in engine: a copy of the model that loads published adapters from disk the
+way vLLM does. The real engines are tested in tests/vllm_engines (`make test-vllm`)."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import logged, make_trainer
+
+import trl_grpo_ext.trainer as trainer_module
+from trl_grpo_ext.generation.engines import build_engine
+from trl_grpo_ext.rollout import generate_with_transformers, seeded
+
+
+class CopyEngine:
+    """A second copy of the policy, updated only through `publish_adapter` / `load_weights`."""
+
+    def __init__(self, policy):
+        with policy() as model:
+            self.model = copy.deepcopy(model).eval()
+        self.published, self.generated_with = [], []
+
+    def trainable(self):
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_" in n}
+
+    def publish_adapter(self, folder, version):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.model, load_file(f"{folder}/adapter_model.safetensors"))
+        self.published.append(version)
+
+    def load_weights(self, named_tensors):
+        state = dict(named_tensors)
+        self.model.load_state_dict(state)
+        self.published.append("full")
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        self.generated_with.append(self.published[-1] if self.published else None)
+        with seeded(seed):
+            return generate_with_transformers(
+                self.model,
+                prompt_ids,
+                prompt_mask,
+                generation_config=generation_config,
+                return_logprobs=True,
+            )
+
+
+@pytest.fixture
+def copy_engine(monkeypatch):
+    engines = []
+
+    def build(args, policy, model_folder, lora_rank):
+        engines.append(CopyEngine(policy))
+        return engines[-1]
+
+    monkeypatch.setattr(trainer_module, "build_engine", build)
+    return engines
+
+
+def trainable(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_each_step_generates_with_the_adapter_just_trained(tmp_path, copy_engine):
+    trainer = make_trainer(tmp_path, use_vllm=True, max_steps=3, max_completion_length=3)
+    (engine,) = copy_engine
+    seen = []
+    original = engine.generate
+
+    def checking(*args, **kwargs):
+        ours, theirs = trainable(trainer), engine.trainable()
+        seen.append(max((ours[n] - theirs[n]).abs().max().item() for n in ours))
+        return original(*args, **kwargs)
+
+    engine.generate = checking
+    trainer.train()
+    assert engine.published == [0, 1, 2] and engine.generated_with == [0, 1, 2]
+    assert seen == [0.0, 0.0, 0.0]  # the engine's adapter is the trainer's, bit for bit
+    # Same weights, same numerics: the engine's log-probs are the trainer's, ratio 1.
+    for key in ("sampling/sampling_logp_difference/max",):
+        assert max(logged(trainer, key)) < 1e-5
+    for key in ("min", "mean", "max"):
+        assert logged(trainer, f"sampling/importance_sampling_ratio/{key}") == pytest.approx(
+            [1.0] * 3, abs=1e-4
+        )
+
+
+def test_full_fine_tuning_publishes_all_weights(tmp_path, copy_engine):
+    trainer = make_trainer(tmp_path, use_vllm=True, peft=False, max_steps=2)
+    trainer.train()
+    (engine,) = copy_engine
+    assert engine.published == ["full", "full"]
+    state = trainer.model.state_dict()
+    # The engine got the weights of step 1 (before the last update); one more publish catches up.
+    trainer.weight_publisher.publish(trainer.state.global_step)
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_importance_sampling_correction_weighs_the_loss(tmp_path, copy_engine, monkeypatch):
+    calls = []
+    original = trainer_module.policy_loss
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["importance_weights"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording)
+    trainer = make_trainer(
+        tmp_path, use_vllm=True, max_steps=1, vllm_importance_sampling_mode="token_truncate"
+    )
+    trainer.train()
+    assert calls[0] is not None and calls[0].shape == (8, 2)  # one weight per token
+    calls.clear()
+    trainer = make_trainer(
+        tmp_path / "off", use_vllm=True, max_steps=1, vllm_importance_sampling_correction=False
+    )
+    trainer.train()
+    assert calls == [None]
+    assert logged(trainer, "sampling/importance_sampling_ratio/mean")  # measured all the same
+
+
+def test_asynchronous_rollouts_on_an_engine_keep_the_staleness_bound(tmp_path, copy_engine):
+    trainer = make_trainer(
+        tmp_path, use_vllm=True, max_staleness=1, max_steps=4, max_completion_length=2
+    )
+    trainer.train()
+    (engine,) = copy_engine
+    staleness = logged(trainer, "async/staleness")
+    assert staleness and all(0 <= value <= 1 for value in staleness)
+    assert max(staleness) == 1  # the engine did run ahead
+    assert engine.published == sorted(engine.published)  # versions only advance
+
+
+def test_a_server_serves_adapters_only(tmp_path):
+    args = make_trainer(tmp_path, max_steps=1).args
+    args.use_vllm, args.vllm_mode = True, "server"
+    with pytest.raises(ValueError, match="full fine-tuning cannot be served"):
+        build_engine(args, policy=None, model_folder=None, lora_rank=None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vllm_mode": "remote"}, "vllm_mode"),
+        ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode"),
+        (
+            {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
+            "must be below",
+        ),
+        (
+            {
+                "vllm_importance_sampling_mode": "token_truncate",
+                "vllm_importance_sampling_clip_max": None,
+            },
+            "set vllm_importance_sampling_clip_max",
+        ),
+    ],
+)
+def test_vllm_settings_are_validated(tmp_path, kwargs, message):
+    from trl_grpo_ext import GroupRelativeConfig
+
+    with pytest.raises(ValueError, match=message):
+        GroupRelativeConfig(str(tmp_path), use_vllm=True, report_to="none", **kwargs)
