@@ -59,6 +59,7 @@ from .generation.engines import (
     build_engine,
     engine_model_folder,
 )
+from .metrics import completions_table, length_metrics, print_completions, reward_metrics
 from .objective import (
     LOSS_TYPE_TABLE,
     entropy_bonus,
@@ -755,42 +756,23 @@ class GroupRelativeTrainer(Trainer):
         return micro_batches
 
     def _record_rollout_metrics(self, rollout: Rollout, all_rewards, advantages):
-        gather = self.accelerator.gather
-        group_size = self.args.num_generations
-        total = weighted_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
-        grouped = total.view(-1, group_size)  # (groups, G)
-        group_std = grouped.std(dim=1)
-        metrics = self._metrics
-        metrics["reward"].append(total.nanmean().item())
-        metrics["reward_std"].append(group_std.nanmean().item())
-        metrics["frac_reward_zero_std"].append((group_std < 1e-6).float().mean().item())
-        nan = float("nan")
-        for index, name in enumerate(self.reward_names):
-            # Over the rows where the function applied, as TRL logs them: the mean is NaN when it
-            # applied to none, the (Bessel-corrected) std NaN when it applied to fewer than two.
-            column = all_rewards[:, index]
-            valid = column[~column.isnan()]
-            metrics[f"rewards/{name}/mean"].append(valid.mean().item() if len(valid) else nan)
-            metrics[f"rewards/{name}/std"].append(valid.std().item() if len(valid) > 1 else nan)
-        device = self.accelerator.device
-        lengths = gather(rollout.completion_lengths.to(device)).float()
-        metrics["completions/mean_length"].append(lengths.mean().item())
-        metrics["completions/min_length"].append(lengths.min().item())
-        metrics["completions/max_length"].append(lengths.max().item())
-        truncated = gather(rollout.is_truncated.to(device)).float()
-        metrics["completions/clipped_ratio"].append(truncated.mean().item())
+        gather, device = self.accelerator.gather, self.accelerator.device
+        lengths = gather(rollout.completion_lengths.to(device))
+        truncated = gather(rollout.is_truncated.to(device))
+        for metrics in (
+            reward_metrics(
+                all_rewards, self.reward_weights, self.args.num_generations, self.reward_names
+            ),
+            length_metrics(lengths, truncated),
+        ):
+            for key, value in metrics.items():
+                self._metrics[key].append(value)
         tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).to(device))
         self.state.num_input_tokens_seen += int(tokens.sum().item())
         if self.args.log_completions:
-            self._last_rollout_table = {
-                "prompt": rollout.prompts,
-                "completion": rollout.completions,
-                **{
-                    name: all_rewards[: len(rollout), i].tolist()
-                    for i, name in enumerate(self.reward_names)
-                },
-                "advantage": advantages.tolist(),
-            }
+            self._last_rollout_table = completions_table(
+                rollout, all_rewards, self.reward_names, advantages
+            )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -1050,23 +1032,3 @@ class GroupRelativeTrainer(Trainer):
             super()._save(output_dir, state_dict=state_dict)
         finally:
             self.args.hub_token = token
-
-
-def print_completions(table: dict[str, list], limit: int | None) -> None:
-    """Prints sample prompts, completions and rewards as a plain-text table."""
-    rows = list(zip(*table.values()))[:limit]
-
-    def cell(value, width=40):
-        text = (
-            value
-            if isinstance(value, str)
-            else (f"{value:.3f}" if isinstance(value, float) else str(value))
-        )
-        text = text.replace("\n", "\\n")
-        return text if len(text) <= width else text[: width - 1] + "…"
-
-    header = " | ".join(cell(name, 40 if i < 2 else 10) for i, name in enumerate(table))
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(" | ".join(cell(value, 40 if i < 2 else 10) for i, value in enumerate(row)))

@@ -1,0 +1,80 @@
+"""What the trainer logs about each generation batch, as TRL names it, and the completions table.
+
+Pure functions of gathered tensors: the trainer gathers them over processes and appends the
+values to its running metrics, which `log` averages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .objective import weighted_rewards
+
+
+def reward_metrics(
+    rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]
+) -> dict[str, float]:
+    """`reward`, `reward_std` (the mean std within groups), `frac_reward_zero_std` and, per
+    reward function, `rewards/<name>/mean` and `/std` over the rows where it applied: NaN when
+    it applied to none (the std: to fewer than two), as TRL logs them.
+
+    Args:
+        rewards (`torch.Tensor`): `(N, F)` rewards of all processes, NaN for "not applicable".
+        weights (`torch.Tensor`): `(F,)` reward weights.
+    """
+    total = weighted_rewards(rewards, weights.to(rewards.device))  # (N,)
+    group_std = total.view(-1, group_size).std(dim=1)  # (groups,)
+    metrics = {
+        "reward": total.nanmean().item(),
+        "reward_std": group_std.nanmean().item(),
+        "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
+    }
+    nan = float("nan")
+    for index, name in enumerate(names):
+        column = rewards[:, index]
+        valid = column[~column.isnan()]
+        metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else nan
+        metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else nan
+    return metrics
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """`completions/{mean,min,max}_length` and `completions/clipped_ratio` (the fraction that
+    hit `max_completion_length`), from `(N,)` lengths and truncation flags of all processes."""
+    lengths = lengths.float()
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+    }
+
+
+def completions_table(rollout, rewards, names, advantages) -> dict[str, list]:
+    """The columns `print_completions` shows: prompt, completion, each reward, advantage."""
+    return {
+        "prompt": rollout.prompts,
+        "completion": rollout.completions,
+        **{name: rewards[: len(rollout), i].tolist() for i, name in enumerate(names)},
+        "advantage": advantages.tolist(),
+    }
+
+
+def print_completions(table: dict[str, list], limit: int | None) -> None:
+    """Prints sample prompts, completions and rewards as a plain-text table."""
+    rows = list(zip(*table.values()))[:limit]
+
+    def cell(value, width=40):
+        text = (
+            value
+            if isinstance(value, str)
+            else (f"{value:.3f}" if isinstance(value, float) else str(value))
+        )
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    header = " | ".join(cell(name, 40 if i < 2 else 10) for i, name in enumerate(table))
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(" | ".join(cell(value, 40 if i < 2 else 10) for i, value in enumerate(row)))
