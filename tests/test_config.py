@@ -6,6 +6,7 @@ import pytest
 import trl
 import yaml
 from transformers import HfArgumentParser
+from trl_reference import matches_trl
 
 from trl_grpo_ext import GroupRelativeConfig
 from trl_grpo_ext.config import NOT_IMPLEMENTED, TRL_DIFFERENCES
@@ -58,6 +59,7 @@ def test_same_yaml_gives_the_same_values_as_trl(tmp_path):
     assert ours.per_device_train_batch_size == theirs.per_device_train_batch_size
 
 
+@matches_trl
 def test_shared_names_mean_the_same_defaults_as_trl(tmp_path):
     theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     ours = make(tmp_path)
@@ -127,6 +129,7 @@ def _default(field):
     return field.default
 
 
+@matches_trl
 def test_every_trl_field_exists_here_with_trls_default():
     """A TRL user's config means the same here: every field of trl.GRPOConfig exists with TRL's
     default, except the short table of documented differences."""
@@ -178,6 +181,7 @@ num_completions_to_print: 2
 """
 
 
+@matches_trl
 def test_an_open_r1_style_yaml_parses_as_in_trl(tmp_path):
     from trl import ModelConfig, TrlParser
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trl_reference import matches_trl
 
 from trl_grpo_ext.objective import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -1276,6 +1277,7 @@ def test_policy_loss_equals_trl(loss_type, level, options):
     assert expected_names[LOSS_TYPE_TABLE[loss_type].surrogate] in stats
 
 
+@matches_trl
 def test_masks_equal_trl_helpers():
     trl = pytest.importorskip("trl")
     from types import MethodType, SimpleNamespace
