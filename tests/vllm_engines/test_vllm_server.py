@@ -97,6 +97,32 @@ def test_a_server_that_is_down_is_a_clear_error_naming_the_url(tokenizer, prompt
     assert time.monotonic() - start < 5
 
 
+def test_two_training_processes_share_one_server(
+    vllm_server, hf_model, tokenizer, prompts, tmp_path
+):
+    """Each process of a multi-process run publishes the same versions under its own names, at
+    its own pace, and generates with its own latest adapter."""
+    base_url, _ = vllm_server
+    engines = [
+        VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix=f"adapter-p{rank}")
+        for rank in range(2)
+    ]
+    greedy = config(tokenizer, greedy=True)
+    for version in range(3):
+        peft_model = lora_adapter(hf_model, tmp_path / f"v{version}", seed=version)
+        with torch.no_grad():
+            expected = generate_with_transformers(peft_model, *prompts, generation_config=greedy)
+        for engine in engines:
+            engine.publish_adapter(tmp_path / f"v{version}", version)
+        for engine in reversed(engines):  # one process's unload never hits the other's adapter
+            assert torch.equal(engine.generate(*prompts, greedy)[2], expected[2])
+    served = {entry["id"] for entry in engines[0]._request("/v1/models")["data"]}
+    assert {"adapter-p0-v2", "adapter-p1-v2"} <= served
+    assert not served & {"adapter-p0-v1", "adapter-p1-v1", "adapter-p0-v0", "adapter-p1-v0"}
+    for engine in engines:
+        engine._request("/v1/unload_lora_adapter", {"lora_name": engine.adapter_name})
+
+
 def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
     vllm_server, server_engine, tokenizer, prompts
 ):

@@ -55,6 +55,11 @@ class VLLMServerEngine:
             Seconds before the first retry; doubled each time.
         max_concurrent_requests (`int`, *optional*, defaults to 32):
             Prompts in flight at once (the server batches them).
+        adapter_prefix (`str`, *optional*, defaults to `"adapter"`):
+            Published versions are named `{adapter_prefix}-v{version}` on the server. Training
+            processes that share one server need distinct prefixes (`build_engine` gives each
+            its process index): each loads and unloads its own versions, and two processes
+            loading the same name would collide.
     """
 
     def __init__(
@@ -65,12 +70,14 @@ class VLLMServerEngine:
         retries: int = 3,
         backoff: float = 1.0,
         max_concurrent_requests: int = 32,
+        adapter_prefix: str = "adapter",
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.max_concurrent_requests = max_concurrent_requests
+        self.adapter_prefix = adapter_prefix
         self.adapter_name = None  # the latest published adapter version, as the server names it
         self.adapter_version = None
         self._model = None
@@ -178,7 +185,7 @@ class VLLMServerEngine:
         """Loads the PEFT adapter saved in `adapter_dir` as version `version` and makes it the one
         later `generate` calls use; the previous version is unloaded. Publishing a version again
         (after a resume) replaces it in place."""
-        name = f"adapter-v{version}"
+        name = f"{self.adapter_prefix}-v{version}"
         payload = dict(
             lora_name=name,
             lora_path=os.path.abspath(adapter_dir),
