@@ -123,6 +123,25 @@ def test_two_training_processes_share_one_server(
         engine._request("/v1/unload_lora_adapter", {"lora_name": engine.adapter_name})
 
 
+def test_a_restarted_run_republishes_a_version_the_server_still_has(
+    vllm_server, hf_model, tokenizer, prompts, tmp_path
+):
+    """The trainer stopped (preempted) while the server stayed up; the resumed run's new engine
+    publishes the checkpoint's version, which the server still holds from the stopped run."""
+    base_url, _ = vllm_server
+    greedy = config(tokenizer, greedy=True)
+    stopped = VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix="run")
+    lora_adapter(hf_model, tmp_path / "stopped", seed=1)
+    stopped.publish_adapter(tmp_path / "stopped", 4)
+    resumed = VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix="run")
+    peft_model = lora_adapter(hf_model, tmp_path / "resumed", seed=2)
+    resumed.publish_adapter(tmp_path / "resumed", 4)  # vLLM refuses a second plain load
+    with torch.no_grad():
+        expected = generate_with_transformers(peft_model, *prompts, generation_config=greedy)
+    assert torch.equal(resumed.generate(*prompts, greedy)[2], expected[2])  # the new weights
+    resumed._request("/v1/unload_lora_adapter", {"lora_name": "run-v4"})
+
+
 def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
     vllm_server, server_engine, tokenizer, prompts
 ):

@@ -183,14 +183,13 @@ class VLLMServerEngine:
     # --- weights -------------------------------------------------------------------------------
     def publish_adapter(self, adapter_dir, version: int) -> None:
         """Loads the PEFT adapter saved in `adapter_dir` as version `version` and makes it the one
-        later `generate` calls use; the previous version is unloaded. Publishing a version again
-        (after a resume) replaces it in place."""
+        later `generate` calls use; the previous version is unloaded. A version the server
+        already has (published again after a resume, by this engine or by the run that stopped
+        while the server stayed up) is replaced in place."""
         name = f"{self.adapter_prefix}-v{version}"
-        payload = dict(
-            lora_name=name,
-            lora_path=os.path.abspath(adapter_dir),
-            load_inplace=name == self.adapter_name,
-        )
+        # In place always: a name that is not loaded yet is simply loaded, and one that is gets
+        # the new weights, where vLLM would refuse a second load of the name.
+        payload = dict(lora_name=name, lora_path=os.path.abspath(adapter_dir), load_inplace=True)
         try:
             self._request("/v1/load_lora_adapter", payload)
         except VLLMServerError as error:
