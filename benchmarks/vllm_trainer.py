@@ -45,8 +45,8 @@ ENGINES = {
     "transformers": ({}, False),
     "vllm colocate": ({"use_vllm": True, "vllm_mode": "colocate"}, False),
     "vllm server": ({"use_vllm": True, "vllm_mode": "server"}, True),
-    "vllm server, k=1": ({"use_vllm": True, "vllm_mode": "server", "max_staleness": 1}, True),
-    "vllm server, k=2": ({"use_vllm": True, "vllm_mode": "server", "max_staleness": 2}, True),
+    "vllm server k=1": ({"use_vllm": True, "vllm_mode": "server", "max_staleness": 1}, True),
+    "vllm server k=2": ({"use_vllm": True, "vllm_mode": "server", "max_staleness": 2}, True),
 }
 
 
@@ -194,6 +194,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None, help="also write the raw records here")
     args = parser.parse_args(argv)
     output_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="bench-vllm-trainer-"))
+    output_dir.mkdir(parents=True, exist_ok=True)
     report, tables = {}, []
     for model in args.models.split(","):
         model_dir = MODELS[model]()
