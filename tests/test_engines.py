@@ -143,6 +143,37 @@ def test_a_server_serves_adapters_only(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("world_size", "process_index", "name"),
+    [(1, 0, "adapter-v3"), (2, 0, "adapter-p0-v3"), (2, 1, "adapter-p1-v3")],
+)
+def test_training_processes_sharing_a_server_publish_under_their_own_names(
+    monkeypatch, world_size, process_index, name
+):
+    """Two processes loading (and unloading) the same adapter name on one server collide."""
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.generation.vllm_server import VLLMServerEngine
+
+    monkeypatch.setattr(VLLMServerEngine, "wait_until_ready", lambda self: None)
+    loaded = []
+    monkeypatch.setattr(
+        VLLMServerEngine, "_request", lambda self, path, payload: loaded.append(payload)
+    )
+    args = SimpleNamespace(
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url="http://server:8000",
+        vllm_server_timeout=1.0,
+        world_size=world_size,
+        process_index=process_index,
+    )
+    engine = build_engine(args, policy=None, model_folder=None, lora_rank=8)
+    engine.publish_adapter("folder", 3)
+    assert engine.base_url == "http://server:8000"
+    assert [payload["lora_name"] for payload in loaded] == [name]
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"vllm_mode": "remote"}, "vllm_mode"),

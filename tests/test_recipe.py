@@ -103,6 +103,27 @@ def test_command_line_overrides_the_yaml():
     assert script_args.reward_funcs == ["math_accuracy"]
 
 
+def test_the_vllm_preset_passes_trls_vllm_fields_through():
+    """The vLLM preset is TRL's field names and values; the recipe's TrlParser hands them to
+    GroupRelativeConfig unchanged, in both modes and asynchronous."""
+    from trl import GRPOConfig
+
+    path = os.path.join(ROOT, "recipes", "configs", "qwen2.5-0.5b-instruct_gsm8k_lora_vllm.yaml")
+    with open(path) as handle:
+        preset = yaml.safe_load(handle)
+    vllm_fields = {name: value for name, value in preset.items() if name.startswith("vllm_")}
+    trl_fields = {f.name for f in fields(GRPOConfig)}
+    assert preset["use_vllm"] is True and set(vllm_fields) <= trl_fields
+    _, colocate, model_args = parser().parse_args_and_config(["--config", path])
+    assert colocate.use_vllm and colocate.vllm_mode == "colocate"
+    assert {name: getattr(colocate, name) for name in vllm_fields} == vllm_fields
+    assert model_args.lora_r <= 32  # the --max-lora-rank of the server command in its header
+    server_override = ["--vllm_mode", "server", "--max_staleness", "1"]
+    _, server, _ = parser().parse_args_and_config(["--config", path, *server_override])
+    assert (server.vllm_mode, server.max_staleness) == ("server", 1)
+    assert server.vllm_server_base_url == "http://127.0.0.1:8000"
+
+
 # ----------------------------------------------------------------- the tiny run
 
 TINY_OVERRIDES = [

@@ -75,45 +75,85 @@ def colocate_engine(vllm_model_dir):
     return engine
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """A real, unmodified vLLM server on a free local port; yields `(base_url, process)`."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+def start_server(model_dir, port: int, log) -> subprocess.Popen:
+    """Starts a real, unmodified vLLM server for `model_dir` on `port` (LoRA enabled, runtime
+    adapter updates allowed), writing to the open file `log`; returns once `/health` answers."""
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(vllm_model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited; see {log.name}")
-            try:
-                urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
-                time.sleep(1)
-        yield base_url, process
-    finally:
-        process.terminate()
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited; see {log.name}")
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return process
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_server(process)
+                raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
+            time.sleep(1)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model_dir, tmp_path_factory):
+    """A real, unmodified vLLM server on a free local port; yields `(base_url, process)`."""
+    port = free_port()
+    with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
+        process = start_server(vllm_model_dir, port, log)
+        try:
+            yield f"http://127.0.0.1:{port}", process
+        finally:
+            stop_server(process)
+
+
+class RestartableServer:
+    """A vLLM server on a fixed port that a test may kill and start again."""
+
+    def __init__(self, model_dir, log_dir):
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.process, self.starts = None, 0
+
+    def start(self):
+        self.starts += 1
+        with open(self.log_dir / f"server-{self.starts}.log", "w") as log:
+            self.process = start_server(self.model_dir, self.port, log)
+
+    def kill(self):
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def restartable_server(vllm_model_dir, tmp_path):
+    server = RestartableServer(vllm_model_dir, tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process.poll() is None:
+            stop_server(server.process)

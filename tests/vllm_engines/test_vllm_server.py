@@ -97,6 +97,51 @@ def test_a_server_that_is_down_is_a_clear_error_naming_the_url(tokenizer, prompt
     assert time.monotonic() - start < 5
 
 
+def test_two_training_processes_share_one_server(
+    vllm_server, hf_model, tokenizer, prompts, tmp_path
+):
+    """Each process of a multi-process run publishes the same versions under its own names, at
+    its own pace, and generates with its own latest adapter."""
+    base_url, _ = vllm_server
+    engines = [
+        VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix=f"adapter-p{rank}")
+        for rank in range(2)
+    ]
+    greedy = config(tokenizer, greedy=True)
+    for version in range(3):
+        peft_model = lora_adapter(hf_model, tmp_path / f"v{version}", seed=version)
+        with torch.no_grad():
+            expected = generate_with_transformers(peft_model, *prompts, generation_config=greedy)
+        for engine in engines:
+            engine.publish_adapter(tmp_path / f"v{version}", version)
+        for engine in reversed(engines):  # one process's unload never hits the other's adapter
+            assert torch.equal(engine.generate(*prompts, greedy)[2], expected[2])
+    served = {entry["id"] for entry in engines[0]._request("/v1/models")["data"]}
+    assert {"adapter-p0-v2", "adapter-p1-v2"} <= served
+    assert not served & {"adapter-p0-v1", "adapter-p1-v1", "adapter-p0-v0", "adapter-p1-v0"}
+    for engine in engines:
+        engine._request("/v1/unload_lora_adapter", {"lora_name": engine.adapter_name})
+
+
+def test_a_restarted_run_republishes_a_version_the_server_still_has(
+    vllm_server, hf_model, tokenizer, prompts, tmp_path
+):
+    """The trainer stopped (preempted) while the server stayed up; the resumed run's new engine
+    publishes the checkpoint's version, which the server still holds from the stopped run."""
+    base_url, _ = vllm_server
+    greedy = config(tokenizer, greedy=True)
+    stopped = VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix="run")
+    lora_adapter(hf_model, tmp_path / "stopped", seed=1)
+    stopped.publish_adapter(tmp_path / "stopped", 4)
+    resumed = VLLMServerEngine(base_url, timeout=60, retries=0, adapter_prefix="run")
+    peft_model = lora_adapter(hf_model, tmp_path / "resumed", seed=2)
+    resumed.publish_adapter(tmp_path / "resumed", 4)  # vLLM refuses a second plain load
+    with torch.no_grad():
+        expected = generate_with_transformers(peft_model, *prompts, generation_config=greedy)
+    assert torch.equal(resumed.generate(*prompts, greedy)[2], expected[2])  # the new weights
+    resumed._request("/v1/unload_lora_adapter", {"lora_name": "run-v4"})
+
+
 def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
     vllm_server, server_engine, tokenizer, prompts
 ):

@@ -180,7 +180,10 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
         from .vllm_server import VLLMServerEngine
 
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        engine = VLLMServerEngine(url, timeout=args.vllm_server_timeout)
+        # Each training process publishes its own adapter versions (the same weights under DDP)
+        # under its own names, so processes never load or unload each other's.
+        prefix = "adapter" if args.world_size == 1 else f"adapter-p{args.process_index}"
+        engine = VLLMServerEngine(url, timeout=args.vllm_server_timeout, adapter_prefix=prefix)
         engine.wait_until_ready()
         return engine
     from .vllm_colocate import VLLMColocateEngine

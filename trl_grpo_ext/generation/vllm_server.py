@@ -55,6 +55,11 @@ class VLLMServerEngine:
             Seconds before the first retry; doubled each time.
         max_concurrent_requests (`int`, *optional*, defaults to 32):
             Prompts in flight at once (the server batches them).
+        adapter_prefix (`str`, *optional*, defaults to `"adapter"`):
+            Published versions are named `{adapter_prefix}-v{version}` on the server. Training
+            processes that share one server need distinct prefixes (`build_engine` gives each
+            its process index): each loads and unloads its own versions, and two processes
+            loading the same name would collide.
     """
 
     def __init__(
@@ -65,12 +70,14 @@ class VLLMServerEngine:
         retries: int = 3,
         backoff: float = 1.0,
         max_concurrent_requests: int = 32,
+        adapter_prefix: str = "adapter",
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.max_concurrent_requests = max_concurrent_requests
+        self.adapter_prefix = adapter_prefix
         self.adapter_name = None  # the latest published adapter version, as the server names it
         self.adapter_version = None
         self._model = None
@@ -176,14 +183,13 @@ class VLLMServerEngine:
     # --- weights -------------------------------------------------------------------------------
     def publish_adapter(self, adapter_dir, version: int) -> None:
         """Loads the PEFT adapter saved in `adapter_dir` as version `version` and makes it the one
-        later `generate` calls use; the previous version is unloaded. Publishing a version again
-        (after a resume) replaces it in place."""
-        name = f"adapter-v{version}"
-        payload = dict(
-            lora_name=name,
-            lora_path=os.path.abspath(adapter_dir),
-            load_inplace=name == self.adapter_name,
-        )
+        later `generate` calls use; the previous version is unloaded. A version the server
+        already has (published again after a resume, by this engine or by the run that stopped
+        while the server stayed up) is replaced in place."""
+        name = f"{self.adapter_prefix}-v{version}"
+        # In place always: a name that is not loaded yet is simply loaded, and one that is gets
+        # the new weights, where vLLM would refuse a second load of the name.
+        payload = dict(lora_name=name, lora_path=os.path.abspath(adapter_dir), load_inplace=True)
         try:
             self._request("/v1/load_lora_adapter", payload)
         except VLLMServerError as error:
