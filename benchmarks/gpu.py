@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                      # one NVIDIA GPU, no network, < 5 minutes
     python benchmarks/gpu.py --shape tiny --device cpu --dtype float32   # the CPU smoke test
+    python benchmarks/gpu.py --engine vllm        # both trainers generate with vLLM colocated
 
 A randomly initialised Qwen2 model with the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14
 heads, 2 key/value heads, intermediate 4864, vocabulary 151936) in bf16, LoRA r=16 on all linear
@@ -10,6 +11,11 @@ almost never sample end-of-sequence, so every completion has 256 tokens). Both t
 their own processes, alternating ours, TRL, ours, TRL (`--rounds`), one warm-up step and
 `--steps` measured steps each; the table (`_common.table`) reports the peak allocated CUDA
 memory. The model is written once to `.cache/benchmarks/`.
+
+`--engine vllm` (needs `pip install vllm`) generates with a colocated vLLM engine in both trainers
+(`use_vllm=True, vllm_mode="colocate"`, `--vllm-gpu-memory-utilization` of the GPU for vLLM): ours
+publishes each LoRA adapter version to it, TRL syncs merged weights. Where TRL's vLLM path fails,
+the error is printed and TRL runs with `transformers` generation instead.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8, help="completions per pass")
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -104,10 +112,21 @@ def main(argv=None) -> dict:
         "warmup_steps": args.warmup_steps,
         "system_prompt": True,
     }
+    if args.engine == "vllm":
+        vllm = {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+            "vllm_max_model_length": 2048,
+        }
+        spec.update(engine_args=vllm, trl_fallback_engine_args={})
     results = _common.run_alternating(spec, args.rounds, in_process=args.in_process)
     memory = "peak CUDA allocated" if args.device == "cuda" else "peak RSS"
     print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
-    print(_common.table(f"{args.shape} ({device_name})", results, memory=memory))
+    table = _common.table(f"{args.shape}, {args.engine} ({device_name})", results, memory=memory)
+    if results.get("trl_errors"):
+        table += f"\n\nTRL with vLLM failed ({results['trl_errors'][0]}): TRL used transformers."
+    print(table)
     report = {"args": vars(args), "shape": shape, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
