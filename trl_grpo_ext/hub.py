@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
+import warnings
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers.trainer import TRAINING_ARGS_NAME
 
 # A snapshot in the Hub cache: .../models--{owner}--{name}/snapshots/{commit}. Hub names never
 # hold "--", so the split is unambiguous.
@@ -210,3 +214,39 @@ def push_folder(
         revision=revision,
         repo_type="model",
     )
+
+
+def push_staged(
+    save,
+    *,
+    repo_id: str,
+    base_model: str | None,
+    local_base_model: str | None,
+    is_adapter: bool,
+    extra_files: list[str] | None = None,
+    **push_kwargs,
+):
+    """Saves afresh into a temporary folder with `save(folder)`, makes that copy loadable from
+    the Hub, and uploads it (`push_folder`): checkpoints, logs and metrics stay local.
+
+    The pickled training arguments are left out. The staged `adapter_config.json` names the base
+    model by its Hub id (`point_adapter_at`); the adapter in the output folder keeps its path.
+    """
+    with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-save-") as staging:
+        save(staging)
+        args_file = os.path.join(staging, TRAINING_ARGS_NAME)  # a pickle of the arguments
+        if os.path.exists(args_file):
+            os.remove(args_file)
+        if base_model:
+            point_adapter_at(staging, base_model)
+        elif local_base_model and is_adapter:
+            warnings.warn(
+                f"The base model was loaded from the local folder {local_base_model!r}, so "
+                f"the adapter pushed to {repo_id!r} names no Hub model to load it onto. Set "
+                "trainer.base_model_id to the base model's Hub id (the recipe's "
+                "--base_model) to make it loadable with AutoPeftModelForCausalLM.",
+                stacklevel=3,
+            )
+        for path in extra_files or []:
+            shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+        return push_folder(staging, repo_id=repo_id, **push_kwargs)

@@ -154,3 +154,29 @@ def _stats(raw: torch.Tensor, valid: torch.Tensor, clipped: torch.Tensor) -> dic
         "off_policy/weight_max": (raw * valid).max(),
         "off_policy/clipped_fraction": (clipped.to(raw.dtype) * valid).sum() / count,
     }
+
+
+def behaviour_correction(args, logps, behaviour_logps, completion_mask):
+    """The correction a `GroupRelativeConfig` asks for: TRL's `vllm_importance_sampling_*` for
+    engine log-probs (`use_vllm`; the statistics are logged even with the correction off),
+    else `off_policy_correction` for the asynchronous worker. Returns `(weights or None, stats)`.
+    """
+    if not args.use_vllm:
+        return off_policy_weights(
+            logps,
+            behaviour_logps,
+            completion_mask,
+            correction=args.off_policy_correction,
+            clip=args.off_policy_clip,
+            min_weight=args.off_policy_min,
+        )
+    weights, _ = importance_sampling_weights(
+        logps,
+        behaviour_logps,
+        completion_mask,
+        mode=args.vllm_importance_sampling_mode,
+        clip_min=args.vllm_importance_sampling_clip_min,
+        clip_max=args.vllm_importance_sampling_clip_max,
+    )
+    stats = importance_sampling_stats(logps, behaviour_logps, completion_mask, weights)
+    return (weights if args.vllm_importance_sampling_correction else None), stats

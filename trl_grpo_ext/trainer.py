@@ -22,8 +22,6 @@ import copy
 import gc
 import itertools
 import os
-import shutil
-import tempfile
 import warnings
 import weakref
 from collections import defaultdict
@@ -32,7 +30,6 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, set_seed
-from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import hub
 from .async_rollout import ProcessRolloutWorker, RolloutPipeline
@@ -68,7 +65,7 @@ from .objective import (
     policy_loss,
     weighted_rewards,
 )
-from .off_policy import importance_sampling_stats, importance_sampling_weights, off_policy_weights
+from .off_policy import behaviour_correction
 from .rollout import (
     Rollout,
     completion_logprobs,
@@ -513,35 +510,14 @@ class GroupRelativeTrainer(Trainer):
     # ------------------------------------------------------------------ internals
 
     def _behaviour_correction(self, batch: dict, logps: torch.Tensor):
-        """Importance weights `pi_old / mu` for rollouts whose sampling policy `mu` is not the
-        trainer's (a vLLM engine, the asynchronous worker), and their statistics."""
+        """Importance weights `pi_old / mu` for rollouts sampled by another policy `mu` (a vLLM
+        engine, the asynchronous worker), and their statistics; `(None, {})` otherwise."""
         if "behaviour_logps" not in batch:
             return None, {}
-        args = self.args
         old_logps = batch.get("old_logps", logps)  # pi_old
-        if not args.use_vllm:  # the local asynchronous worker
-            return off_policy_weights(
-                old_logps,
-                batch["behaviour_logps"],
-                batch["completion_mask"],
-                correction=args.off_policy_correction,
-                clip=args.off_policy_clip,
-                min_weight=args.off_policy_min,
-            )
-        weights, _ = importance_sampling_weights(
-            old_logps,
-            batch["behaviour_logps"],
-            batch["completion_mask"],
-            mode=args.vllm_importance_sampling_mode,
-            clip_min=args.vllm_importance_sampling_clip_min,
-            clip_max=args.vllm_importance_sampling_clip_max,
+        return behaviour_correction(
+            self.args, old_logps, batch["behaviour_logps"], batch["completion_mask"]
         )
-        stats = importance_sampling_stats(
-            old_logps, batch["behaviour_logps"], batch["completion_mask"], weights
-        )
-        if not args.vllm_importance_sampling_correction:
-            weights = None
-        return weights, stats
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else
@@ -995,31 +971,18 @@ class GroupRelativeTrainer(Trainer):
             return None
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         base_model, local_base_model = self._base_model()
-        with tempfile.TemporaryDirectory(prefix="trl_grpo_ext-save-") as staging:
-            self.save_model(staging, _internal_call=True)
-            args_file = os.path.join(staging, TRAINING_ARGS_NAME)  # a pickle of the arguments
-            if os.path.exists(args_file):
-                os.remove(args_file)
-            if base_model:
-                hub.point_adapter_at(staging, base_model)
-            elif local_base_model and is_peft_model(self.accelerator.unwrap_model(self.model)):
-                warnings.warn(
-                    f"The base model was loaded from the local folder {local_base_model!r}, so "
-                    f"the adapter pushed to {repo_id!r} names no Hub model to load it onto. Set "
-                    "trainer.base_model_id to the base model's Hub id (the recipe's "
-                    "--base_model) to make it loadable with AutoPeftModelForCausalLM.",
-                    stacklevel=2,
-                )
-            for path in extra_files or []:
-                shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
-            return hub.push_folder(
-                staging,
-                repo_id=repo_id,
-                private=self.args.hub_private_repo,
-                token=token or self.args.hub_token,
-                revision=revision or self.args.hub_revision,
-                commit_message=commit_message or "End of training",
-            )
+        return hub.push_staged(
+            lambda folder: self.save_model(folder, _internal_call=True),
+            repo_id=repo_id,
+            base_model=base_model,
+            local_base_model=local_base_model,
+            is_adapter=is_peft_model(self.accelerator.unwrap_model(self.model)),
+            extra_files=extra_files,
+            private=self.args.hub_private_repo,
+            token=token or self.args.hub_token,
+            revision=revision or self.args.hub_revision,
+            commit_message=commit_message or "End of training",
+        )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Checkpoints are not pushed: they hold optimizer states and, without LoRA, full
