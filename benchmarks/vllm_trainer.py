@@ -78,9 +78,9 @@ def worker(spec: dict) -> dict:
 
         return wrapper
 
-    trainer.engine.generate = timed(trainer.engine.generate, "generation")
-    if trainer.weight_publisher is not None:
-        publisher = trainer.weight_publisher
+    trainer.rollouts.engine.generate = timed(trainer.rollouts.engine.generate, "generation")
+    if trainer.rollouts.publisher is not None:
+        publisher = trainer.rollouts.publisher
         publisher.snapshot = timed(publisher.snapshot, "publishing")
         publisher.load = timed(publisher.load, "publishing")
     step_end = timer.on_step_end

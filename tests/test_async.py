@@ -267,7 +267,32 @@ def test_async_warns_when_the_model_is_on_an_accelerator(tmp_path, monkeypatch):
     monkeypatch.setattr(model_class, "device", cuda, raising=False)
     try:
         with pytest.warns(UserWarning, match="on cuda:0: the local rollout worker generates"):
-            trainer._rollout_pipeline()
+            trainer.rollouts._pipeline()
     finally:
         monkeypatch.undo()
-        trainer._pipeline.close()
+        trainer.rollouts.close()
+
+
+def test_async_encodes_each_generation_batch_once(tmp_path):
+    """The prompts of a batch are tokenised when it enters the lookahead, not again at each
+    step it waits there: with k=2, as many encodings as generation batches, and a prompt cut
+    by `max_prompt_length` is counted once."""
+    prompts = [f"{a}+{b}=" for a in range(5) for b in range(5)]
+    trainer = make_trainer(
+        tmp_path,
+        max_staleness=2,
+        max_steps=4,
+        dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_prompt_length=3,
+    )
+    encoded = []
+    encode = trainer.rollouts.encoder.encode
+    trainer.rollouts.encoder.encode = lambda batch: encoded.append(list(batch)) or encode(batch)
+    with pytest.warns(UserWarning, match="longer than max_prompt_length=3"):
+        trainer.train()
+    # Batches of steps 0-3 were consumed; those of steps 4 and 5 were in the lookahead.
+    assert len(encoded) == 6
+    assert len({tuple(batch) for batch in encoded}) == 6
+    assert trainer.rollouts.encoder.num_truncated == 6 * 2  # every prompt is 4 tokens long

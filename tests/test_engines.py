@@ -2,15 +2,17 @@
 server), with a stand-in engine: a copy of the model that loads published adapters from disk the
 way vLLM does. The real engines are tested in tests/vllm_engines (`make test-vllm`)."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import logged, make_trainer
+from trainer_helpers import digit_sums, logged, make_trainer
 
+import trl_grpo_ext.generation.producer as producer_module
 import trl_grpo_ext.trainer as trainer_module
-from trl_grpo_ext.generation.engines import build_engine
+from trl_grpo_ext.generation.engines import TransformersEngine, build_engine, in_eval_mode
 from trl_grpo_ext.rollout import generate_with_transformers, seeded
 
 
@@ -38,7 +40,7 @@ class CopyEngine:
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         self.generated_with.append(self.published[-1] if self.published else None)
-        with seeded(seed):
+        with seeded(seed) if seed is not None else contextlib.nullcontext():
             return generate_with_transformers(
                 self.model,
                 prompt_ids,
@@ -56,7 +58,7 @@ def copy_engine(monkeypatch):
         engines.append(CopyEngine(policy))
         return engines[-1]
 
-    monkeypatch.setattr(trainer_module, "build_engine", build)
+    monkeypatch.setattr(producer_module, "build_engine", build)
     return engines
 
 
@@ -95,7 +97,7 @@ def test_full_fine_tuning_publishes_all_weights(tmp_path, copy_engine):
     assert engine.published == ["full", "full"]
     state = trainer.model.state_dict()
     # The engine got the weights of step 1 (before the last update); one more publish catches up.
-    trainer.weight_publisher.publish(trainer.state.global_step)
+    trainer.rollouts.publisher.publish(trainer.state.global_step)
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, state[name]), name
 
@@ -196,3 +198,25 @@ def test_vllm_settings_are_validated(tmp_path, kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         GroupRelativeConfig(str(tmp_path), use_vllm=True, report_to="none", **kwargs)
+
+
+def test_the_evaluation_harness_samples_with_the_engine_and_the_latest_adapter(
+    tmp_path, copy_engine
+):
+    from trl_grpo_ext.evaluation import evaluate_on_processes
+
+    dataset = digit_sums()
+    trainer = make_trainer(tmp_path, use_vllm=True, max_steps=2, dataset=dataset)
+    trainer.train()
+    (engine,) = copy_engine
+    report = evaluate_on_processes(trainer, dataset, max_new_tokens=3, num_examples=0)
+    # Trained two steps, published before step 0 and 1; evaluation publishes step 2 first.
+    assert engine.published == [0, 1, 2] and engine.generated_with[-1] == 2
+    # The engine's copy holds the trained adapter: greedy answers equal the trainer's own.
+    engine.generate = lambda *args, **kwargs: pytest.fail("the engine was not expected")
+    trainer.rollouts.engine, trainer.rollouts.publisher = (
+        TransformersEngine(lambda: in_eval_mode(trainer.model)),
+        None,
+    )
+    expected = evaluate_on_processes(trainer, dataset, max_new_tokens=3, num_examples=0)
+    assert report.to_dict() == expected.to_dict()

@@ -93,6 +93,26 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+def resolve_resume(resume_from_checkpoint, output_dir: str):
+    """What `Trainer.train` resumes from: `True` means the last complete checkpoint in
+    `output_dir`; a checkpoint whose writing was interrupted is an error."""
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = last_complete_checkpoint(output_dir)
+        if resume_from_checkpoint is None:
+            raise ValueError(
+                f"No complete checkpoint in {output_dir} to resume from; pass "
+                "resume_from_checkpoint=None to start afresh."
+            )
+    elif isinstance(resume_from_checkpoint, str) and not is_complete_checkpoint(
+        resume_from_checkpoint
+    ):
+        raise ValueError(
+            f"{resume_from_checkpoint} is not a complete checkpoint (no readable "
+            "trainer_state.json: its writing was interrupted). Resume from an earlier one."
+        )
+    return resume_from_checkpoint
+
+
 # ----------------------------------------------------------------------------- rollout state
 
 
@@ -198,12 +218,28 @@ def save_rollout_state(
 
 
 def load_rollout_state(
-    checkpoint: str, device=None, process_index: int = 0, world_size: int = 1
+    checkpoint: str,
+    device=None,
+    process_index: int = 0,
+    world_size: int = 1,
+    needed: bool = False,
 ) -> RolloutState | None:
     """The rollout state saved in `checkpoint`, micro-batch tensors on `device` (in-flight batches
-    stay on the CPU, where the worker returns them); None for a checkpoint without one."""
+    stay on the CPU, where the worker returns them).
+
+    None for a checkpoint without one (written by an older version), with a warning
+    when it was `needed` (resuming inside a generation window, or with batches in flight): those
+    rollouts will be regenerated, so the resumed run differs from the uninterrupted one."""
     tensor_path, json_path = rollout_state_paths(checkpoint, process_index, world_size)
     if not os.path.isfile(json_path):
+        if needed:
+            warnings.warn(
+                f"{checkpoint} holds no rollout buffer (it was written by an older version): the "
+                "rollouts of the current generation window, or those in flight, will be "
+                "regenerated with the restored weights, so the resumed run will differ from the "
+                "uninterrupted one.",
+                stacklevel=4,
+            )
         return None
     with open(json_path) as handle:
         manifest = json.load(handle)

@@ -28,10 +28,11 @@ import torch
 from transformers import TrainerCallback
 
 from .generation import PromptEncoder, sampling_config
+from .generation.engines import TransformersEngine, in_eval_mode
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
-from .rollout import completion_mask_from_ids, eos_token_ids, generate_with_transformers
+from .rollout import completion_mask_from_ids, eos_token_ids
 
 
 @dataclass
@@ -113,13 +114,15 @@ def generate(
     top_p: float = 1.0,
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
+    engine=None,
 ) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
     """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
     sampled ones (no top-k or min-p filter, whatever the checkpoint's `generation_config`
-    says). Prompts are rendered and tokenised as in training (`generation.PromptEncoder`).
+    says). Prompts are rendered and tokenised as in training (`generation.PromptEncoder`), and
+    sampled by `engine` (`generation.engines`: a trainer's vLLM engine, for example); by
+    default by `model`'s own `generate`, in eval mode.
     Returns `(texts, token_counts, truncated)`, each `[prompt][sample]`."""
-    was_training = model.training
-    model.eval()
+    engine = engine or TransformersEngine(lambda: in_eval_mode(model))
     encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
     eos_ids = eos_token_ids(model, tokenizer)
     greedy = temperature is None
@@ -137,9 +140,7 @@ def generate(
     step = max(1, batch_size // samples)
     for start in range(0, len(prompts), step):
         prompt_ids, prompt_mask = encoder.encode(prompts[start : start + step])  # (B, P)
-        _, _, completion_ids = generate_with_transformers(
-            model, prompt_ids, prompt_mask, generation_config=config
-        )  # (B * n, T)
+        _, _, completion_ids, _ = engine.generate(prompt_ids, prompt_mask, config)  # (B * n, T)
         mask, cut = completion_mask_from_ids(completion_ids, eos_ids)
         lengths = mask.sum(dim=1).tolist()
         decoded = [
@@ -151,7 +152,6 @@ def generate(
             outputs.append(decoded[row : row + samples])
             counts.append(lengths[row : row + samples])
             truncated.append(cut[row : row + samples])
-    model.train(was_training)
     return outputs, counts, truncated
 
 
@@ -168,6 +168,7 @@ def problem_scores(
     batch_size: int = 64,
     format_reward: Callable | None = None,
     chat_template_kwargs: dict | None = None,
+    engine=None,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
     (strict, lenient), completion token counts and truncations. `summarize` turns them into an
@@ -185,6 +186,7 @@ def problem_scores(
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             chat_template_kwargs=chat_template_kwargs,
+            engine=engine,
         )
         completions = [group[0] for group in outputs]
         strict, lenient = score_completions(
@@ -205,6 +207,7 @@ def problem_scores(
             top_p=top_p,
             batch_size=batch_size,
             chat_template_kwargs=chat_template_kwargs,
+            engine=engine,
         )
         flat = [text for group in outputs for text in group]
         strict, lenient = score_completions(
@@ -322,16 +325,19 @@ def evaluate_math(
 
 def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
     """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
-    every process gets the same report. Under DeepSpeed ZeRO-3 the weights are gathered for
-    generation (TRL's `unwrap_model_for_generation`)."""
+    every process gets the same report. Completions come from the trainer's engine, with its
+    current weights (`RolloutProducer.evaluation_engine`): transformers (under DeepSpeed ZeRO-3
+    with the weights gathered) or vLLM."""
     from accelerate.utils import gather_object
-    from trl.models import unwrap_model_for_generation
 
     kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
     accelerator = trainer.accelerator
     indices = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
-    with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
-        records = problem_scores(model, trainer.processing_class, dataset.select(indices), **kwargs)
+    engine = trainer.rollouts.evaluation_engine(trainer.state.global_step)
+    model = accelerator.unwrap_model(trainer.model)
+    records = problem_scores(
+        model, trainer.processing_class, dataset.select(indices), engine=engine, **kwargs
+    )
     if accelerator.num_processes > 1:
         records = gather_object(records)
     return summarize(

@@ -23,6 +23,16 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.trainer import TRAINING_ARGS_NAME
 
+try:
+    from peft import PeftModel
+except ImportError:  # peft is a dependency; this keeps the import error where it is used
+    PeftModel = ()
+
+
+def is_peft_model(model) -> bool:
+    return bool(PeftModel) and isinstance(model, PeftModel)
+
+
 # A snapshot in the Hub cache: .../models--{owner}--{name}/snapshots/{commit}. Hub names never
 # hold "--", so the split is unambiguous.
 _CACHE_SNAPSHOT = re.compile(r"models--(?P<owner>[^/\\]+?)--(?P<name>[^/\\]+)[/\\]snapshots[/\\]")
@@ -250,3 +260,110 @@ def push_staged(
         for path in extra_files or []:
             shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
         return push_folder(staging, repo_id=repo_id, **push_kwargs)
+
+
+class HubMixin:
+    """The saving and pushing of a `transformers.Trainer` subclass: the adapter (under LoRA) or
+    model, the tokenizer and a model card; only those reach the Hub, checkpoints stay local."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Saves the adapter under LoRA (the full model otherwise), the tokenizer and a model card."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            self.create_model_card(output_dir=output_dir)
+
+    # The base model's Hub id, for a model loaded from a local folder (a downloaded or converted
+    # copy): the pushed adapter_config.json and the card name it. None: the id the model was
+    # loaded under, or the Hub cache folder it was loaded from; else the card says it has none.
+    base_model_id: str | None = None
+
+    def _base_model(self) -> tuple[str | None, str | None]:
+        """(Hub id of the base model or None, the local folder it was loaded from or None)."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if is_peft_model(model) else model
+        name_or_path = getattr(base.config, "_name_or_path", None) or None
+        hub_id = base_model_hub_id(name_or_path, given=self.base_model_id)
+        local = name_or_path if name_or_path and os.path.exists(name_or_path) else None
+        return hub_id, local
+
+    def create_model_card(
+        self, model_name=None, dataset_name=None, tags=None, output_dir=None, **_
+    ):
+        """Writes `README.md` with Hub metadata, the reward functions and the configuration.
+
+        Sections in `trainer.model_card_sections` (title -> markdown) are appended, which is
+        how the recipe adds its before/after table. The base model is named by its Hub id
+        (`trainer.base_model_id` when set); a local folder is never presented as one.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        base_model, local_base_model = self._base_model()
+        card = build_model_card(
+            base_model=base_model,
+            is_adapter=is_peft_model(model),
+            reward_names=self.reward_names,
+            config=self.args,
+            model_name=model_name
+            or self.args.hub_model_id
+            or os.path.basename(self.args.output_dir),
+            datasets=[dataset_name]
+            if isinstance(dataset_name, str)
+            else dataset_name or self.model_card_datasets,
+            extra_sections=self.model_card_sections,
+            tags=tags,
+            local_base_model=local_base_model,
+        )
+        card.save(os.path.join(output_dir or self.args.output_dir, "README.md"))
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking=True,
+        token=None,
+        revision=None,
+        extra_files: list[str] | None = None,
+        **_,
+    ):
+        """Uploads the adapter (or model), tokenizer and model card, and nothing else.
+
+        The files are saved afresh into a temporary folder and that folder is uploaded, so
+        checkpoints, logs and metrics in `output_dir` stay local. The repository is
+        `args.hub_model_id` (default: the output folder's name), private when
+        `args.hub_private_repo` is set. The uploaded `adapter_config.json` names the base
+        model by its Hub id (`trainer.base_model_id` when set, for a model loaded from a local
+        copy), so `AutoPeftModelForCausalLM.from_pretrained(repo)` works anywhere; the adapter in
+        `output_dir` keeps the local path.
+
+        Args:
+            extra_files (`list[str]`, *optional*): more files to upload beside them (for
+                example a reward-curve image the model card shows).
+        """
+        self.save_model(self.args.output_dir, _internal_call=True)
+        if not self.args.should_save:
+            return None
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        base_model, local_base_model = self._base_model()
+        return push_staged(
+            lambda folder: self.save_model(folder, _internal_call=True),
+            repo_id=repo_id,
+            base_model=base_model,
+            local_base_model=local_base_model,
+            is_adapter=is_peft_model(self.accelerator.unwrap_model(self.model)),
+            extra_files=extra_files,
+            private=self.args.hub_private_repo,
+            token=token or self.args.hub_token,
+            revision=revision or self.args.hub_revision,
+            commit_message=commit_message or "End of training",
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Checkpoints are not pushed: they hold optimizer states and, without LoRA, full
+        weights. `push_to_hub()` uploads the adapter, tokenizer and card at the end."""
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        # `training_args.bin` pickles the arguments: keep the Hub token out of it.
+        token, self.args.hub_token = self.args.hub_token, None
+        try:
+            super()._save(output_dir, state_dict=state_dict)
+        finally:
+            self.args.hub_token = token

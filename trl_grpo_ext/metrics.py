@@ -50,6 +50,23 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
     }
 
 
+def rollout_metrics(rollout, rewards, weights, names, gather) -> tuple[dict[str, float], int]:
+    """The reward and length metrics of a generation batch, and its prompt and completion token
+    count, over all processes.
+
+    Args:
+        rewards (`torch.Tensor`): `(N, F)` rewards of all processes.
+        gather (`Callable[[Tensor], Tensor]`): concatenates a tensor over processes.
+    """
+    lengths, truncated = gather(rollout.completion_lengths), gather(rollout.is_truncated)
+    metrics = {
+        **reward_metrics(rewards, weights, rollout.group_size, names),
+        **length_metrics(lengths, truncated),
+    }
+    tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1))
+    return metrics, int(tokens.sum().item())
+
+
 def completions_table(rollout, rewards, names, advantages) -> dict[str, list]:
     """The columns `print_completions` shows: prompt, completion, each reward, advantage."""
     return {

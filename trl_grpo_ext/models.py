@@ -12,6 +12,7 @@ r"""Models the recipes start from without downloading weights.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -249,3 +250,57 @@ def gguf_to_folder(gguf_path: str, output_dir: str, dtype: torch.dtype = torch.f
     with open(marker, "w") as handle:
         json.dump({"gguf": os.path.basename(gguf_path)}, handle)
     return output_dir
+
+
+# ------------------------------------------------------------------ the trainer's policy
+
+
+def load_policy(model, args, tokenizer=None):
+    """`(model, tokenizer)`: `model` loaded when it is a Hub id or folder (with
+    `args.model_init_kwargs`), its tokenizer when none is given, with a pad token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(model, str):
+        init_kwargs = {
+            "trust_remote_code": args.trust_remote_code,
+            **(args.model_init_kwargs or {}),
+        }
+        model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model.config._name_or_path, trust_remote_code=args.trust_remote_code
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def prepare_policy(model, args, peft_config=None):
+    """`(model, ref_model)`: the model to train, wrapped with `peft_config`'s adapters when
+    given, and the frozen reference model that full fine-tuning with `beta > 0` needs (None
+    otherwise: under LoRA the base model with the adapters disabled is the reference, with no
+    second copy in memory)."""
+    from .hub import is_peft_model
+
+    if peft_config is not None:
+        if is_peft_model(model):
+            raise ValueError("model is already a PeftModel; do not also pass peft_config.")
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if args.gradient_checkpointing and is_peft_model(model):
+        model.enable_input_require_grads()
+    if args.sync_ref_model and is_peft_model(model):
+        raise ValueError(
+            "sync_ref_model=True needs full fine-tuning: under LoRA the reference model is "
+            "the base model with the adapters disabled, which cannot move towards the policy. "
+            "Set sync_ref_model=False, or train without peft_config."
+        )
+    if args.disable_dropout:
+        from trl.trainer.utils import disable_dropout_in_model
+
+        disable_dropout_in_model(model)
+    ref_model = None
+    if args.beta > 0 and not is_peft_model(model):
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, ref_model

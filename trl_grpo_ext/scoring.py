@@ -31,6 +31,17 @@ def reward_name(func: Callable) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tensor:
+    """`(F,)` float32 weights of the reward functions `names`; all 1 when `weights` is None."""
+    weights = weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries but there are {len(names)} reward "
+            f"functions ({names}); give one weight per function."
+        )
+    return torch.tensor(weights, dtype=torch.float32)
+
+
 def resolve_reward_funcs(reward_funcs) -> list[Callable]:
     """One or a list of callables, registry names or dotted import paths -> list of callables."""
     if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not reward_funcs):

@@ -78,7 +78,7 @@ def server_requests(calls, path=None):
 
 def test_colocated_lora_learns_with_the_latest_adapter_each_step(vllm_model_dir, tmp_path):
     trainer = vllm_trainer(vllm_model_dir, tmp_path, vllm_mode="colocate", **LEARNING)
-    generations = record_calls(trainer.engine.llm, "generate")
+    generations = record_calls(trainer.rollouts.engine.llm, "generate")
     trainer.train()
     assert_learns(trainer)
     assert_engine_logps_are_the_trainers(trainer, min_steps=5)
@@ -102,7 +102,7 @@ def test_colocated_engine_samples_exactly_the_settings_of_the_config(vllm_model_
         min_p=0.05,
         repetition_penalty=1.1,
     )
-    generations = record_calls(trainer.engine.llm, "generate")
+    generations = record_calls(trainer.rollouts.engine.llm, "generate")
     trainer.train()
     eos = trainer.processing_class.eos_token_id
     seeds = []
@@ -128,8 +128,8 @@ def test_colocated_full_fine_tuning_publishes_all_weights_each_step(vllm_model_d
         max_completion_length=3,
         learning_rate=2e-3,
     )
-    assert trainer.engine.max_lora_rank is None  # no LoRA in the engine
-    loads = record_calls(trainer.engine, "load_weights")
+    assert trainer.rollouts.engine.max_lora_rank is None  # no LoRA in the engine
+    loads = record_calls(trainer.rollouts.engine, "load_weights")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert len(loads) == 3
@@ -148,7 +148,7 @@ def test_server_lora_learns_with_the_latest_adapter_each_step(
     trainer = vllm_trainer(
         vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_base_url=base_url, **LEARNING
     )
-    requests = record_calls(trainer.engine, "_request")
+    requests = record_calls(trainer.rollouts.engine, "_request")
     trainer.train()
     assert_learns(trainer)
     assert_engine_logps_are_the_trainers(trainer, min_steps=5)
@@ -165,7 +165,7 @@ def test_server_lora_learns_with_the_latest_adapter_each_step(
             fields = {key: payload[key] for key in ("n", "temperature", "top_p", "top_k")}
             assert fields == dict(n=8, temperature=1.0, top_p=1.0, top_k=0)
             assert (payload["max_tokens"], payload["repetition_penalty"]) == (1, 1.0)
-    served = [entry["id"] for entry in trainer.engine._request("/v1/models")["data"]]
+    served = [entry["id"] for entry in trainer.rollouts.engine._request("/v1/models")["data"]]
     assert "adapter-v39" in served and "adapter-v38" not in served  # older versions unloaded
 
 
@@ -184,7 +184,7 @@ def test_server_asynchronous_rollouts_keep_the_staleness_bound(
         max_completion_length=2,
         learning_rate=3e-2,
     )
-    publications = record_calls(trainer.engine, "publish_adapter")
+    publications = record_calls(trainer.rollouts.engine, "publish_adapter")
     trainer.train()
     entries = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
     staleness = [entry["async/staleness"] for entry in entries]
@@ -229,13 +229,13 @@ def test_a_server_killed_mid_run_fails_clearly_and_the_run_resumes(
     restartable_server.start()  # same address, no adapters loaded
     resumed = vllm_trainer(vllm_model_dir, tmp_path, **settings)
     published = []
-    original = resumed.engine.publish_adapter
+    original = resumed.rollouts.engine.publish_adapter
 
     def publishing(folder, version):
         published.append((version, load_file(f"{folder}/adapter_model.safetensors")))
         return original(folder, version)
 
-    resumed.engine.publish_adapter = publishing
+    resumed.rollouts.engine.publish_adapter = publishing
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 5
     assert [version for version, _ in published] == [2, 3, 4]

@@ -145,6 +145,29 @@ def _raise(future: Future) -> None:
     future.result()  # a failed weight update surfaces in the log at once, and again at result()
 
 
+@contextlib.contextmanager
+def in_eval_mode(model):
+    """`model` in eval mode (no dropout) for the block, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def policy_for_generation(model_wrapped, accelerator, gather_deepspeed3_params: bool = True):
+    """The model to generate with: unwrapped from DDP (gathered under ZeRO-3), in eval mode."""
+    from trl.models import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(
+        model_wrapped, accelerator, gather_deepspeed3_params=gather_deepspeed3_params
+    ) as policy:
+        with in_eval_mode(policy):
+            yield policy
+
+
 def engine_model_folder(model, tokenizer) -> str:
     """A folder (or Hub id) from which vLLM can load `model`'s weights: where it came from, or a
     temporary folder it is saved to when it was built in memory. Call before adding adapters."""

@@ -17,6 +17,18 @@ def is_conversational(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
+def check_prompt_dataset(tokenizer, dataset, split: str = "train_dataset") -> None:
+    """Fails early on a dataset without a `prompt` column, or with conversational prompts and
+    a tokenizer without a chat template."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
+            "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
+        )
+    check_chat_template(tokenizer, dataset, split)
+
+
 def check_chat_template(tokenizer, dataset, split: str = "train_dataset") -> None:
     """Fails early when a conversational dataset meets a tokenizer without a chat template."""
     if dataset is None or "prompt" not in (getattr(dataset, "column_names", None) or []):
