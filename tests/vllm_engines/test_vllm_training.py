@@ -18,6 +18,8 @@ from trainer_helpers import logged, make_trainer, odd_first_byte, right_digit  #
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 
 from trl_grpo_ext.checkpoints import last_complete_checkpoint  # noqa: E402
+from trl_grpo_ext.evaluation import evaluate_on_processes  # noqa: E402
+from trl_grpo_ext.generation.engines import TransformersEngine, in_eval_mode  # noqa: E402
 from trl_grpo_ext.generation.vllm_server import VLLMServerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -86,6 +88,14 @@ def test_colocated_lora_learns_with_the_latest_adapter_each_step(vllm_model_dir,
     adapters = [kwargs["lora_request"] for _, kwargs in generations]
     assert [adapter.lora_name for adapter in adapters] == [f"adapter-v{s}" for s in range(40)]
     assert [adapter.lora_int_id for adapter in adapters] == list(range(1, 41))
+    # The held-out evaluation samples with the engine too, with the adapter of the last step
+    # published first; its greedy answers are those of the trained model in transformers.
+    dataset = trainer.train_dataset
+    report = evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
+    assert generations[-1][1]["lora_request"].lora_name == "adapter-v40"
+    trainer.rollouts.engine = TransformersEngine(lambda: in_eval_mode(trainer.model))
+    expected = evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
+    assert report.to_dict() == expected.to_dict()
 
 
 def test_colocated_engine_samples_exactly_the_settings_of_the_config(vllm_model_dir, tmp_path):
