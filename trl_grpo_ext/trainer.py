@@ -1,7 +1,8 @@
 """`GroupRelativeTrainer`: GRPO as a `transformers.Trainer` subclass.
 
 One optimizer step, on each process:
-1. `generate_rollouts`: sample G completions for each prompt of the generation batch;
+1. `generate_rollouts`: sample G completions for each prompt of the generation batch, through
+   `self.rollouts` (`generation.producer.RolloutProducer`, the one generation path);
 2. `score_rollouts`: call every reward function, `(N, F)` with NaN for "not applicable";
 3. `compute_advantages`: group-relative advantages over the rewards of all processes;
 4. `compute_objective`: per micro-batch, the clipped surrogate of `objective.policy_loss`.
