@@ -7,6 +7,8 @@ Top to bottom: seed, data, tokenizer, model, rewards, trainer, evaluate before, 
 after, save, push. Everything algorithmic lives in the package (`trl_grpo_ext`); the run folder
 (`output_dir`) receives the adapter, `metrics.jsonl`, `reward_curve.png` and
 `before_after.md`. The last line printed is `held-out accuracy: <before> -> <after>`.
+`--resume_from_checkpoint true` (or a checkpoint folder) continues an interrupted run from its
+last complete checkpoint (`save_strategy: steps`).
 """
 
 # ruff: noqa: E402
@@ -26,16 +28,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+from trl_grpo_ext.checkpoints import checkpoint_step, resolve_resume
 from trl_grpo_ext.data import check_chat_template, dataset_hub_id, load_math_dataset
 from trl_grpo_ext.evaluation import (
     MetricsJsonlCallback,
     PeriodicEvalCallback,
     before_after_table,
     evaluate_on_processes,
+    keep_records_up_to,
     plot_training_curve,
+    set_aside,
 )
 from trl_grpo_ext.rewards import get_reward
-from trl_grpo_ext.script_args import MathScriptArguments, resolve_model_path
+from trl_grpo_ext.script_args import MathScriptArguments, resolve_model_path, resume_argument
 
 
 def main(script_args, training_args, model_args):
@@ -94,9 +99,18 @@ def main(script_args, training_args, model_args):
     reward_funcs = [get_reward(name) for name in script_args.reward_funcs]
     format_reward = next((f for f in reward_funcs if f.__name__ == "format"), None)
     eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
+    # The metrics log: a resumed run keeps the records up to its checkpoint; a new run in a
+    # folder that holds a log keeps that log under another name. Nothing is deleted.
     metrics_path = os.path.join(training_args.output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    resume = resume_argument(training_args.resume_from_checkpoint)
+    if resume:
+        resume = resolve_resume(resume, training_args.output_dir)
+    if PartialState().is_main_process and os.path.exists(metrics_path):
+        if resume:
+            kept = keep_records_up_to(metrics_path, checkpoint_step(resume))
+        else:
+            kept = set_aside(metrics_path)
+        print(f"The earlier metrics log of {training_args.output_dir} is kept as {kept}.")
     periodic = PeriodicEvalCallback(
         tokenizer,
         eval_dataset,
@@ -106,6 +120,10 @@ def main(script_args, training_args, model_args):
         best_dir=os.path.join(training_args.output_dir, "best") if script_args.keep_best else None,
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
+        # With vLLM, periodic evaluations sample with the trainer's engine too.
+        engine=(lambda step: trainer.rollouts.evaluation_engine(step))
+        if training_args.use_vllm
+        else None,
     )
     trainer = GroupRelativeTrainer(
         model=model,
@@ -124,10 +142,12 @@ def main(script_args, training_args, model_args):
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
     )
+    is_main = trainer.accelerator.is_main_process
     before = evaluate_on_processes(trainer, eval_dataset, **eval_kwargs)
-    periodic.record(0, before, label="before")
+    if is_main:
+        periodic.record(0, before, label="before")
     print(f"before training: {before.summary()}", flush=True)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     after = evaluate_on_processes(
         trainer,
         eval_dataset,
@@ -136,13 +156,14 @@ def main(script_args, training_args, model_args):
         temperature=training_args.temperature,
         **eval_kwargs,
     )
-    periodic.record(trainer.state.global_step, after, label="after")
+    if is_main:
+        periodic.record(trainer.state.global_step, after, label="after")
     print(f"after training: {after.summary()}", flush=True)
 
     # Save the adapter, the before/after table, the reward curve and the model card.
     table = before_after_table(before, after)
     sections = {"Evaluation": table}
-    if trainer.accelerator.is_main_process:
+    if is_main:
         with open(os.path.join(training_args.output_dir, "before_after.md"), "w") as handle:
             handle.write(table + "\n")
         plot_training_curve(

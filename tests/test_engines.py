@@ -220,3 +220,25 @@ def test_the_evaluation_harness_samples_with_the_engine_and_the_latest_adapter(
     )
     expected = evaluate_on_processes(trainer, dataset, max_new_tokens=3, num_examples=0)
     assert report.to_dict() == expected.to_dict()
+
+
+def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy_engine):
+    from trl_grpo_ext.evaluation import PeriodicEvalCallback
+
+    dataset = digit_sums()
+    trainer = make_trainer(tmp_path, use_vllm=True, max_steps=2, dataset=dataset)
+    periodic = PeriodicEvalCallback(
+        trainer.processing_class,
+        dataset,
+        eval_every=1,
+        max_new_tokens=2,
+        engine=lambda step: trainer.rollouts.evaluation_engine(step),
+    )
+    trainer.add_callback(periodic)
+    trainer.train()
+    (engine,) = copy_engine
+    # Training samples with v0 and v1; after each step, the evaluation publishes that step's
+    # weights first and samples with them.
+    assert engine.published == [0, 1, 2]
+    assert engine.generated_with == [0, 1, 1, 2]
+    assert [step for step, _, _ in periodic.history] == [1, 2]

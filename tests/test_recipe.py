@@ -18,6 +18,7 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from trl_grpo_ext import GroupRelativeConfig
+from trl_grpo_ext.evaluation import read_jsonl
 from trl_grpo_ext.models import TinyWarmup, train_tiny_warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,3 +341,59 @@ def test_smollm2_from_gguf_trains_a_few_lora_steps(tmp_path):
             assert not eos & set(row_ids[: length - 1])
         else:
             assert length == len(row_mask)
+
+
+def test_a_resumed_run_continues_its_log_and_a_new_run_keeps_the_old_one(tmp_path):
+    """Nothing a run wrote is lost: resuming keeps the metrics up to the checkpoint (the rest
+    is set aside, and trained again), and a fresh run in the same folder renames the old log."""
+    output_dir = str(tmp_path / "run")
+
+    def run(*extra):
+        argv = [
+            "--config", os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml"),
+            *TINY_OVERRIDES,
+            "--eval_every_steps", "0",
+            "--keep_best", "false",
+            "--num_eval_samples", "8",
+            "--save_strategy", "steps",
+            "--save_steps", "2",
+            "--output_dir", output_dir,
+            "--tiny_cache_dir", str(tmp_path / "cache"),
+            *extra,
+        ]  # fmt: skip
+        trainer, _, _ = recipe.main(*parser().parse_args_and_config(argv))
+        return trainer, read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
+
+    def steps(records):
+        return [
+            (r["step"], r.get("heldout/label", "log")) for r in records if "train_runtime" not in r
+        ]
+
+    full, first = run()
+    assert steps(first) == [
+        (0, "before"),
+        (1, "log"),
+        (2, "log"),
+        (3, "log"),
+        (4, "log"),
+        (4, "after"),
+    ]
+    resumed, second = run("--resume_from_checkpoint", os.path.join(output_dir, "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    # Steps 1-2 from the first run, then the resumed run's before, steps 3-4 and after.
+    assert steps(second) == [
+        (1, "log"),
+        (2, "log"),
+        (0, "before"),
+        (3, "log"),
+        (4, "log"),
+        (4, "after"),
+    ]
+    assert second[:2] == first[1:3]
+    assert read_jsonl(os.path.join(output_dir, "metrics.1.jsonl")) == first
+    # A resumed run trains as the uninterrupted one did.
+    rewards = [r["reward"] for r in second if "reward" in r]
+    assert rewards == [r["reward"] for r in first if "reward" in r]
+    _, third = run()
+    assert read_jsonl(os.path.join(output_dir, "metrics.2.jsonl")) == second
+    assert steps(third) == steps(first)

@@ -284,6 +284,7 @@ def evaluate_math(
     format_reward: Callable | None = None,
     num_examples: int = 3,
     chat_template_kwargs: dict | None = None,
+    engine=None,
 ) -> EvalReport:
     """Greedy pass@1 and/or sampled pass@k of `model` on `dataset` (`prompt` and `answer`).
 
@@ -297,6 +298,8 @@ def evaluate_math(
         num_examples (`int`): greedy completions kept in the report to read.
         chat_template_kwargs (`dict`, *optional*): as the training run's (e.g. Qwen3's
             `{"enable_thinking": False}`), so prompts are rendered the same way.
+        engine (*optional*): samples the completions (`generation.engines`); by default
+            `model`'s own `generate`.
     """
     if num_samples and max(k_values) > num_samples:
         raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
@@ -312,6 +315,7 @@ def evaluate_math(
         batch_size=batch_size,
         format_reward=format_reward,
         chat_template_kwargs=chat_template_kwargs,
+        engine=engine,
     )
     return summarize(
         records,
@@ -377,6 +381,9 @@ class PeriodicEvalCallback(TrainerCallback):
     `heldout/accuracy_strict`, `heldout/label`). When a periodic result beats every earlier one, the model (the
     adapter under LoRA) is saved to `best_dir`: published GRPO runs often peak and then decline,
     and the best checkpoint is the one to keep. `history` holds `(step, strict, lenient)`.
+
+    `engine`, when given, returns the engine to sample with at a step (the trainer's:
+    `lambda step: trainer.rollouts.evaluation_engine(step)`); else the model's own `generate`.
     """
 
     def __init__(
@@ -390,8 +397,9 @@ class PeriodicEvalCallback(TrainerCallback):
         best_dir: str | None = None,
         format_reward: Callable | None = None,
         batch_size: int = 64,
+        engine: Callable | None = None,
     ):
-        self.tokenizer, self.dataset = tokenizer, dataset
+        self.tokenizer, self.dataset, self.engine = tokenizer, dataset, engine
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
         self.format_reward, self.batch_size = format_reward, batch_size
@@ -435,6 +443,7 @@ class PeriodicEvalCallback(TrainerCallback):
                 batch_size=self.batch_size,
                 num_examples=0,
                 chat_template_kwargs=args.chat_template_kwargs,
+                engine=self.engine(state.global_step) if self.engine else None,
             )
             self.record(state.global_step, report, model=model)
         return control
@@ -461,6 +470,32 @@ def append_jsonl(path: str, record: dict) -> None:
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def set_aside(path: str) -> str:
+    """Renames `path` (`metrics.jsonl`) to the first free `metrics.<n>.jsonl` beside it, so a
+    new run never overwrites an earlier run's log; returns the new path."""
+    stem, extension = os.path.splitext(path)
+    number = 1
+    while os.path.exists(f"{stem}.{number}{extension}"):
+        number += 1
+    os.rename(path, f"{stem}.{number}{extension}")
+    return f"{stem}.{number}{extension}"
+
+
+def keep_records_up_to(path: str, step: int) -> str | None:
+    """For a run resumed from the checkpoint of `step`: sets the log aside (`set_aside`) and
+    starts `path` anew with its records of steps up to `step` (the later ones are trained again,
+    and logged again), without the before and after evaluations (the resumed run records them).
+    Returns where the full log was kept."""
+    if not os.path.exists(path):
+        return None
+    records = read_jsonl(path)
+    kept = set_aside(path)
+    for record in records:
+        if record.get("step", 0) <= step and record.get("heldout/label") not in ("before", "after"):
+            append_jsonl(path, record)
+    return kept
 
 
 # ------------------------------------------------------------------------- reports

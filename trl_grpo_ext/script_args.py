@@ -92,6 +92,14 @@ class MathScriptArguments:
     )
 
 
+def resume_argument(value: str | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as `Trainer.train` takes it: "true" (the last complete
+    checkpoint in output_dir) becomes True, "false" or "" None; a path stays a path."""
+    if value is None or str(value).lower() in ("", "false", "none"):
+        return None
+    return True if str(value).lower() == "true" else value
+
+
 def resolve_model_path(script_args, model_args, training_args) -> str:
     """The folder or Hub id to load: the warmed-up tiny model, a converted GGUF, or as given."""
     name = model_args.model_name_or_path
