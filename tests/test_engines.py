@@ -242,3 +242,8 @@ def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy
     assert engine.published == [0, 1, 2]
     assert engine.generated_with == [0, 1, 1, 2]
     assert [step for step, _, _ in periodic.history] == [1, 2]
+
+
+def test_the_transformers_engine_gets_the_fp32_head_setting(tmp_path):
+    assert make_trainer(tmp_path, cast_lm_head_to_fp32=True).rollouts.engine.cast_lm_head_to_fp32
+    assert not make_trainer(tmp_path).rollouts.engine.cast_lm_head_to_fp32

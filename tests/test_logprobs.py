@@ -280,6 +280,38 @@ def test_cast_lm_head_to_fp32(tiny):
     assert weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
 
 
+def test_cast_lm_head_to_fp32_in_generation(tiny):
+    """Generation with transformers computes every step's logits in float32, as TRL's
+    `cast_lm_head_to_fp32` does; the model keeps its bf16 head."""
+    from trl_grpo_ext.generation import sampling_config
+    from trl_grpo_ext.generation.engines import TransformersEngine, in_eval_mode
+
+    model = tiny.to(torch.bfloat16)
+    head = model.lm_head
+    calls = []
+    hook = head.register_forward_hook(
+        lambda module, inputs, output: calls.append((inputs[0], output))
+    )
+    prompt_ids = torch.randint(3, tiny.config.vocab_size, (2, 4))
+    config = sampling_config(
+        max_new_tokens=3, num_return_sequences=2, eos_token_id=[0], pad_token_id=0
+    )
+    try:
+        for cast in (True, False):
+            calls.clear()
+            engine = TransformersEngine(lambda: in_eval_mode(model), cast_lm_head_to_fp32=cast)
+            engine.generate(prompt_ids, torch.ones_like(prompt_ids), config, seed=0)
+            assert calls
+            for hidden, logits in calls:
+                assert logits.dtype == (torch.float32 if cast else torch.bfloat16)
+                if cast:
+                    want = F.linear(hidden.float(), head.weight.float())
+                    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    finally:
+        hook.remove()
+    assert head.weight.dtype == torch.bfloat16 and "forward" not in head.__dict__
+
+
 def _last_hidden_states(model, input_ids, attention_mask, completion_length):
     with capture_head_inputs(model.lm_head) as captured:
         model(input_ids=input_ids, attention_mask=attention_mask)

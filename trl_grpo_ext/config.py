@@ -134,8 +134,9 @@ class GroupRelativeConfig(TrainingArguments):
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
-            "help": "Compute the output head's logits in float32 in the log-prob passes (the "
-            "softmax is float32 always)."
+            "help": "Compute the output head's logits in float32, in the log-prob passes and in "
+            "generation with transformers (the softmax is float32 always). A vLLM engine and the "
+            "asynchronous CPU rollout worker generate in the model's dtype."
         },
     )
     logprob_chunk_tokens: int | None = field(

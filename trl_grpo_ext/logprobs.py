@@ -28,6 +28,7 @@ import torch.nn.functional as F
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "capture_head_inputs",
+    "float32_head",
     "head_token_logprobs",
     "logit_transform",
     "output_head",
@@ -300,6 +301,34 @@ def logit_transform(model) -> tuple[float | None, float]:
         hyperclova = getattr(config, "model_type", None) == "hyperclovax"
         return softcap, float(divisor) if hyperclova else 1.0 / float(divisor)
     return softcap, 1.0
+
+
+@contextlib.contextmanager
+def float32_head(model):
+    """While active, `model`'s output head computes its logits in float32 from float32 hidden
+    states, weight and bias (TRL's `cast_lm_head_to_fp32`, for generation), without changing the
+    model's parameters: a float32 copy of a lower-precision weight lives for the block."""
+    head = output_head(model)
+    if head is None:
+        raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
+    weight = head.weight.float()
+    bias = None if head.bias is None else head.bias.float()
+    previous = head.__dict__.get("forward")
+    head.forward = lambda hidden_states: F.linear(hidden_states.float(), weight, bias)
+    try:
+        yield head
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+
+
+FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD = (
+    "cast_lm_head_to_fp32=True needs the model's output head to be a plain nn.Linear whose "
+    "weight is not sharded: remove lm_head from the adapter's target modules (and "
+    "modules_to_save), or set cast_lm_head_to_fp32=False."
+)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,13 @@ import torch
 from transformers import GenerationConfig
 
 from .generation.sampling import isolated_from_checkpoint
-from .logprobs import capture_head_inputs, head_token_logprobs, logit_transform, output_head
+from .logprobs import (
+    FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD,
+    capture_head_inputs,
+    head_token_logprobs,
+    logit_transform,
+    output_head,
+)
 from .objective import token_logprobs
 
 
@@ -350,11 +356,7 @@ def completion_logprobs(
     completion_length = completion_ids.shape[1]
     head = output_head(model)
     if head is None and cast_lm_head_to_fp32:
-        raise ValueError(
-            "cast_lm_head_to_fp32=True needs the model's output head to be a plain nn.Linear "
-            "whose weight is not sharded: remove lm_head from the adapter's target modules "
-            "(and modules_to_save), or set cast_lm_head_to_fp32=False."
-        )
+        raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
     outputs = _shared_prompt_logits(
         model, input_ids, attention_mask, completion_length, head=head
     )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..logprobs import float32_head
 from ..rollout import generate_with_transformers, seeded
 
 
@@ -38,15 +39,19 @@ class TransformersEngine:
     Args:
         policy (`Callable[[], ContextManager]`): enters a block in which it yields the model to
             generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
+        cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
+            (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
     """
 
     holds_own_weights = False
 
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
+        self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
-        with self.policy() as model:
+        with self.policy() as model, contextlib.ExitStack() as stack:
+            if self.cast_lm_head_to_fp32:
+                stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
                 prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
                     model, prompt_ids, prompt_mask, generation_config=generation_config
@@ -192,7 +197,7 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
             adapters of that rank); None for full fine-tuning.
     """
     if not args.use_vllm:
-        return TransformersEngine(policy)
+        return TransformersEngine(policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
     if args.vllm_mode == "server":
         if lora_rank is None:
             raise ValueError(
