@@ -105,7 +105,7 @@ class RolloutProducer:
         """The engine for the evaluation harness, with the weights of `version`: this one, or
         transformers in this process while the asynchronous worker is using the engine."""
         if self.pipeline is not None and self.publisher is not None:
-            return TransformersEngine(self.policy)
+            return TransformersEngine(self.policy, self.args.cast_lm_head_to_fp32)
         self.publish(version)
         return self.engine
 
