@@ -247,3 +247,32 @@ def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy
 def test_the_transformers_engine_gets_the_fp32_head_setting(tmp_path):
     assert make_trainer(tmp_path, cast_lm_head_to_fp32=True).rollouts.engine.cast_lm_head_to_fp32
     assert not make_trainer(tmp_path).rollouts.engine.cast_lm_head_to_fp32
+
+
+def test_evaluations_during_asynchronous_rollouts_leave_the_engine_to_the_worker(
+    tmp_path, copy_engine
+):
+    import threading
+
+    from trl_grpo_ext.evaluation import PeriodicEvalCallback
+
+    dataset = digit_sums()
+    trainer = make_trainer(tmp_path, use_vllm=True, max_staleness=1, max_steps=2, dataset=dataset)
+    periodic = PeriodicEvalCallback(
+        trainer.processing_class,
+        dataset,
+        eval_every=1,
+        max_new_tokens=2,
+        engine=lambda step: trainer.rollouts.evaluation_engine(step),
+    )
+    trainer.add_callback(periodic)
+    (engine,) = copy_engine
+    threads = []
+    original = engine.generate
+    engine.generate = lambda *a, **k: (
+        threads.append(threading.current_thread().name) or original(*a, **k)
+    )
+    trainer.train()
+    assert [step for step, _, _ in periodic.history] == [1, 2]
+    # Only the rollout worker's thread sampled on the engine; the evaluations used transformers.
+    assert threads and all(name.startswith("rollouts") for name in threads)
