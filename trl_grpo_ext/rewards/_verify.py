@@ -16,7 +16,11 @@ What is compared (documented for users in docs/rewards.md):
 3. Without a boxed answer and with a single-number reference, a list of three or more distinct
    numbers that ends the completion or follows "answer"/"####" is a hedge and scores 0.0:
    math-verify would pick one of them (the first after "answer", else the last).
-4. Cheap caps run before math-verify so that it never sees an input that explodes: an answer over
+4. With a single-number reference, an answer that is unevaluated arithmetic on numbers (`52 + 6`,
+   `52*6`, `2^2`) scores 0.0: math-verify parses without evaluating and `verify` then finds
+   `52 + 6` equal to 58, so restating the question ("What is 52 + 6?" -> "The answer is 52 + 6.")
+   would be paid as a right answer. Fractions (`104/2`) and powers of ten stay answers.
+5. Cheap caps run before math-verify so that it never sees an input that explodes: an answer over
    `MAX_ANSWER_CHARS` characters, nesting deeper than `MAX_NESTING`, or a parsed number with more
    than `MAX_DIGITS` digits (`10^{10^{10}}`, which sympy would compute in C, beyond any signal)
    scores 0.0.
@@ -129,6 +133,12 @@ def parse_reference(reference: str) -> tuple | None:
     return tuple(parsed)
 
 
+def _number_type():
+    import sympy
+
+    return sympy.Number
+
+
 def _is_scalar(parsed: tuple) -> bool:
     import sympy
 
@@ -181,6 +191,38 @@ def _value(expr) -> float:
         return 10.0**magnitude
     value = complex(expr.evalf(15))
     return value.real if value.imag == 0 else abs(value)
+
+
+def unevaluated_arithmetic(parsed) -> bool:
+    """True when a parsed answer holds arithmetic left undone on plain numbers: a sum (`52 + 6`,
+    `58 - 6`), a product of two numbers (`52*6`), or a power of a number other than ten
+    (`2^2`). A fraction (`1/2`, a product with a power -1) and `10^3` are not."""
+    import sympy
+
+    def is_number(node):  # 6, or -6 written as (-1)*6 by the unevaluated parser
+        if isinstance(node, sympy.Mul) and len(node.args) == 2 and -1 in node.args:
+            return all(isinstance(arg, sympy.Number) for arg in node.args)
+        return isinstance(node, sympy.Number)
+
+    def numbers(node):
+        return [arg for arg in node.args if is_number(arg)]
+
+    for item in parsed:
+        if not isinstance(item, sympy.Basic):
+            continue
+        for node in sympy.preorder_traversal(item):
+            if isinstance(node, sympy.Add) and len(numbers(node)) >= 2:
+                return True
+            if isinstance(node, sympy.Mul) and len([n for n in numbers(node) if n != -1]) >= 2:
+                return True
+            if (
+                isinstance(node, sympy.Pow)
+                and len(numbers(node)) == 2
+                and node.base != 10
+                and node.exp != -1
+            ):
+                return True
+    return False
 
 
 def too_large(parsed) -> bool:
@@ -248,6 +290,8 @@ def score(reference, completion: str, max_distinct_boxed: int = 1) -> tuple[floa
         return 0.0, "no answer found"
     if too_large(predicted):
         return 0.0, "answer too large to compute"
+    if any(isinstance(item, _number_type()) for item in gold) and unevaluated_arithmetic(predicted):
+        return 0.0, f"unevaluated arithmetic: {predicted[-1]}"[:200]
     correct = verify(list(gold), predicted, timeout_seconds=None)
     return (1.0 if correct else 0.0), f"{note}: {predicted[-1]}"[:200]
 
