@@ -125,6 +125,7 @@ def main(script_args, training_args, model_args):
         engine=(lambda step: trainer.rollouts.evaluation_engine(step))
         if training_args.use_vllm
         else None,
+        skip_last_step=True,  # the final evaluation below scores the same weights
     )
     trainer = GroupRelativeTrainer(
         model=model,
@@ -158,7 +159,8 @@ def main(script_args, training_args, model_args):
         **eval_kwargs,
     )
     if is_main:
-        periodic.record(trainer.state.global_step, after, label="after")
+        final_model = trainer.accelerator.unwrap_model(trainer.model)
+        periodic.record(trainer.state.global_step, after, model=final_model, label="after")
     print(f"after training: {after.summary()}", flush=True)
 
     # Save the adapter, the before/after table, the reward curve and the model card.

@@ -384,6 +384,8 @@ class PeriodicEvalCallback(TrainerCallback):
 
     `engine`, when given, returns the engine to sample with at a step (the trainer's:
     `lambda step: trainer.rollouts.evaluation_engine(step)`); else the model's own `generate`.
+    `skip_last_step` leaves out the evaluation at the run's last step, for a caller that
+    evaluates (and `record`s) the final weights after training anyway, as the recipe does.
     """
 
     def __init__(
@@ -398,8 +400,10 @@ class PeriodicEvalCallback(TrainerCallback):
         format_reward: Callable | None = None,
         batch_size: int = 64,
         engine: Callable | None = None,
+        skip_last_step: bool = False,
     ):
         self.tokenizer, self.dataset, self.engine = tokenizer, dataset, engine
+        self.skip_last_step = skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
         self.format_reward, self.batch_size = format_reward, batch_size
@@ -432,6 +436,8 @@ class PeriodicEvalCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if not self.eval_every or state.global_step % self.eval_every or model is None:
+            return control
+        if self.skip_last_step and state.global_step >= state.max_steps:
             return control
         if args.process_index == 0:
             report = evaluate_math(
