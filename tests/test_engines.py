@@ -222,11 +222,10 @@ def test_the_evaluation_harness_samples_with_the_engine_and_the_latest_adapter(
     assert report.to_dict() == expected.to_dict()
 
 
-def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy_engine):
+def evaluate_every_step_on_the_engine(trainer, dataset):
+    """A periodic held-out evaluation after every step, sampling with the trainer's engine."""
     from trl_grpo_ext.evaluation import PeriodicEvalCallback
 
-    dataset = digit_sums()
-    trainer = make_trainer(tmp_path, use_vllm=True, max_steps=2, dataset=dataset)
     periodic = PeriodicEvalCallback(
         trainer.processing_class,
         dataset,
@@ -235,6 +234,13 @@ def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy
         engine=lambda step: trainer.rollouts.evaluation_engine(step),
     )
     trainer.add_callback(periodic)
+    return periodic
+
+
+def test_periodic_evaluations_sample_with_the_engine_at_each_step(tmp_path, copy_engine):
+    dataset = digit_sums()
+    trainer = make_trainer(tmp_path, use_vllm=True, max_steps=2, dataset=dataset)
+    periodic = evaluate_every_step_on_the_engine(trainer, dataset)
     trainer.train()
     (engine,) = copy_engine
     # Training samples with v0 and v1; after each step, the evaluation publishes that step's
@@ -254,18 +260,9 @@ def test_evaluations_during_asynchronous_rollouts_leave_the_engine_to_the_worker
 ):
     import threading
 
-    from trl_grpo_ext.evaluation import PeriodicEvalCallback
-
     dataset = digit_sums()
     trainer = make_trainer(tmp_path, use_vllm=True, max_staleness=1, max_steps=2, dataset=dataset)
-    periodic = PeriodicEvalCallback(
-        trainer.processing_class,
-        dataset,
-        eval_every=1,
-        max_new_tokens=2,
-        engine=lambda step: trainer.rollouts.evaluation_engine(step),
-    )
-    trainer.add_callback(periodic)
+    periodic = evaluate_every_step_on_the_engine(trainer, dataset)
     (engine,) = copy_engine
     threads = []
     original = engine.generate

@@ -164,27 +164,22 @@ HELD_OUT_PERCENT = 20
 SPLITS = ("train", "validation", "test")
 
 
-def split_bucket(question: str) -> int:
-    """A number in [0, 100) fixed by the problem's text (a hash): the split is the same for
-    every seed, size and process."""
+def synthetic_split(question: str, validation_percent: int = 0) -> str:
+    """The split of a synthetic problem, from a hash of its text into 100 buckets, so it is the
+    same for every seed, size and process: buckets [0, 20) are `test`, the next
+    `validation_percent` buckets `validation` (taken from the training problems), the rest
+    `train`. With `validation_percent=0` there is no validation split and train keeps them."""
     digest = hashlib.sha256(question.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100
+    bucket = int.from_bytes(digest[:4], "big") % 100
+    if bucket < HELD_OUT_PERCENT:
+        return "test"
+    return "validation" if bucket < HELD_OUT_PERCENT + validation_percent else "train"
 
 
 def is_held_out(question: str) -> bool:
     """Whether a synthetic problem belongs to the held-out split (`test`): train never contains
     a test problem."""
-    return split_bucket(question) < HELD_OUT_PERCENT
-
-
-def synthetic_split(question: str, validation_percent: int = 0) -> str:
-    """The split of a synthetic problem: buckets [0, 20) are `test`, the next
-    `validation_percent` buckets `validation` (taken from the training problems), the rest
-    `train`. With `validation_percent=0` there is no validation split and train keeps them."""
-    bucket = split_bucket(question)
-    if bucket < HELD_OUT_PERCENT:
-        return "test"
-    return "validation" if bucket < HELD_OUT_PERCENT + validation_percent else "train"
+    return synthetic_split(question) == "test"
 
 
 def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
