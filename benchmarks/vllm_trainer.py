@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -130,7 +131,10 @@ def start_server(model_dir: str, lora_rank: int, log_path: Path):
         "--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1",
     ]  # fmt: skip
     log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # A session of its own, so that a kill reaches its engine core and workers too.
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -141,7 +145,7 @@ def start_server(model_dir: str, lora_rank: int, log_path: Path):
             return process, base_url
         except OSError:
             if time.monotonic() > deadline:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 raise RuntimeError(f"the vLLM server did not start; see {log_path}") from None
             time.sleep(1)
 

@@ -21,7 +21,7 @@ import urllib.request  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from vllm_helpers import MAX_LORA_RANK  # noqa: E402
+from vllm_helpers import MAX_LORA_RANK, kill_server, stop_server  # noqa: E402
 
 from trl_grpo_ext.tiny import save_tiny  # noqa: E402
 
@@ -93,7 +93,10 @@ def start_server(model_dir, port: int, log) -> subprocess.Popen:
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1",
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # A session of its own: the server's engine and worker processes are stopped with it.
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     while True:
         if process.poll() is not None:
@@ -106,15 +109,6 @@ def start_server(model_dir, port: int, log) -> subprocess.Popen:
                 stop_server(process)
                 raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
             time.sleep(1)
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +138,7 @@ class RestartableServer:
             self.process = start_server(self.model_dir, self.port, log)
 
     def kill(self):
-        self.process.kill()
-        self.process.wait()
+        kill_server(self.process)
 
 
 @pytest.fixture
@@ -155,5 +148,4 @@ def restartable_server(vllm_model_dir, tmp_path):
     try:
         yield server
     finally:
-        if server.process.poll() is None:
-            stop_server(server.process)
+        stop_server(server.process)

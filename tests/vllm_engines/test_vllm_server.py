@@ -16,6 +16,7 @@ from vllm_helpers import (  # noqa: E402
     assert_sampled_logprobs_match_trainer,
     completion_mask,
     config,
+    kill_server,
     lora_adapter,
 )
 
@@ -160,7 +161,7 @@ def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
     worker = threading.Thread(target=generate)
     worker.start()
     time.sleep(1.0)
-    process.kill()
+    kill_server(process)
     killed = time.monotonic()
     worker.join(timeout=60)
     assert not worker.is_alive() and errors, "generate neither failed nor finished"

@@ -2,6 +2,9 @@
 it with `transformers` on the same model and tokens."""
 
 import copy
+import os
+import signal
+import subprocess
 
 import torch
 
@@ -85,3 +88,30 @@ def lora_adapter(base_model, path, seed, rank=4):
                     param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model.eval()
+
+
+# --------------------------------------------------------------- the server processes
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """Stops the server and every process it started (its engine core and workers)."""
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_server(process)
+
+
+def kill_server(process: subprocess.Popen) -> None:
+    """Kills the server at once, as a crash would, with its engine core and workers: killed
+    alone, the server leaves them running, holding their memory."""
+    _signal_group(process, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:  # the whole group has exited
+        pass
