@@ -81,7 +81,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir, port: int, log) -> subprocess.Popen:
+def start_server(model_dir, port: int, log, max_lora_rank: int = MAX_LORA_RANK) -> subprocess.Popen:
     """Starts a real, unmodified vLLM server for `model_dir` on `port` (LoRA enabled, runtime
     adapter updates allowed), writing to the open file `log`; returns once `/health` answers."""
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
@@ -91,7 +91,7 @@ def start_server(model_dir, port: int, log) -> subprocess.Popen:
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1",
+        "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1",
     ]  # fmt: skip
     # A session of its own: the server's engine and worker processes are stopped with it.
     process = subprocess.Popen(
@@ -111,16 +111,26 @@ def start_server(model_dir, port: int, log) -> subprocess.Popen:
             time.sleep(1)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_model_dir, tmp_path_factory):
+def serve(model_dir, tmp_path_factory, max_lora_rank: int = MAX_LORA_RANK):
     """A real, unmodified vLLM server on a free local port; yields `(base_url, process)`."""
     port = free_port()
     with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
-        process = start_server(vllm_model_dir, port, log)
+        process = start_server(model_dir, port, log, max_lora_rank)
         try:
             yield f"http://127.0.0.1:{port}", process
         finally:
             stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model_dir, tmp_path_factory):
+    yield from serve(vllm_model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vllm_server_rank_16(vllm_model_dir, tmp_path_factory):
+    """The server with --max-lora-rank 16 (adapters of rank up to 16)."""
+    yield from serve(vllm_model_dir, tmp_path_factory, max_lora_rank=16)
 
 
 class RestartableServer:
