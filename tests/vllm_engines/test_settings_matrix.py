@@ -128,6 +128,8 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
     output = (folder / "output.log").read_text(errors="replace")
     if process.returncode != 0 and not problems:
         problems.append(f"error: exit status {process.returncode}:\n{last_error(output)}")
+    elif process.returncode == 0 and "Traceback" in output:
+        problems.append(f"an error logged by a run that ended normally:\n{last_error(output)}")
     elif problems:  # where it hung: the stacks the cell dumped before the timeout
         stacks = output[output.rfind("Timeout (") :] if "Timeout (" in output else ""
         problems.append(f"its threads before it was killed:\n{stacks[:6000]}")
@@ -154,20 +156,27 @@ def last_error(output: str, lines: int = 12) -> str:
 
 
 def check_training(result: dict, k: int, first_version: int) -> list[str]:
-    """The staleness bound held (and was used for k > 0), and the engine was given adapter
-    versions that advanced to the last step."""
+    """The staleness bound held (and was used for k > 0), and the engine was given, in order,
+    every adapter version that sampled a batch from `first_version` on."""
     problems = []
     if result["global_step"] != MAX_STEPS:
         problems.append(f"stopped at step {result['global_step']}, not {MAX_STEPS}")
-    staleness = [e["async/staleness"] for e in result["log_history"] if "async/staleness" in e]
+    entries = [entry for entry in result["log_history"] if "async/staleness" in entry]
+    staleness = [entry["async/staleness"] for entry in entries]
     if len(staleness) != MAX_STEPS or not all(0 <= s <= k for s in staleness):
         problems.append(f"staleness {staleness}: not one value in [0, {k}] per step")
     elif k > 0 and max(staleness) == 0:
         problems.append(f"staleness {staleness}: no step trained on an older batch")
+    # The batch of step j (from 0; the log counts from 1) was sampled by version j - staleness;
+    # versions before `first_version` sampled in the run that was resumed.
+    sampled = {entry["step"] - 1 - int(entry["async/staleness"]) for entry in entries}
+    needed = sorted(version for version in sampled if version >= first_version)
     published = result["published"]
-    expected = set(range(first_version, MAX_STEPS))
-    if published != sorted(published) or not expected <= set(published):
-        problems.append(f"adapter versions {published}: not advancing through {sorted(expected)}")
+    if published != sorted(published) or not set(needed) <= set(published):
+        problems.append(
+            f"adapter versions published {published}: out of order, or without some of the "
+            f"versions {needed} that sampled the batches"
+        )
     if result["overlaps"]:
         problems.append(f"the engine was used by two threads at once: {result['overlaps']}")
     return problems
