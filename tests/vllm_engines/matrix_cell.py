@@ -18,6 +18,12 @@ import sys
 import threading
 from pathlib import Path
 
+# Before the harness kills a hung cell: every thread's stack, to show where it hung (timed from
+# here, before the slow imports).
+faulthandler.dump_traceback_later(
+    json.loads(Path(sys.argv[1]).read_text())["dump_stacks_after"], exit=False
+)
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # trainer_helpers, as pytest's pythonpath does
 
@@ -83,8 +89,6 @@ class EngineRecorder:
 
 def main(settings_path: str, result_path: str) -> None:
     cell = json.loads(Path(settings_path).read_text())
-    # Before the harness kills a hung cell: every thread's stack, to show where it hung.
-    faulthandler.dump_traceback_later(cell["dump_stacks_after"], exit=False)
     engines = EngineRecorder()
     config = dict(
         output_dir=cell["output_dir"],

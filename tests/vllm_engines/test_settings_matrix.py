@@ -197,7 +197,7 @@ def test_settings_matrix_cell(cell, request, vllm_model_dir, tmp_path):
         evaluate=evaluate,
         max_steps=MAX_STEPS,
         save_steps=SAVE_STEPS if resume else 0,
-        dump_stacks_after=CELL_TIMEOUT - 20,
+        dump_stacks_after=CELL_TIMEOUT - 30,
     )
     if engine == "server":
         settings["base_url"], _ = request.getfixturevalue("vllm_server_rank_16")
