@@ -30,7 +30,8 @@ class StandIn(ThreadingHTTPServer):
     """A vLLM server's API: `/health`, `/v1/models`, the adapter endpoints, `/v1/completions`.
 
     `processed` picks the log-prob mode; `fail` maps a path to a list of HTTP statuses answered
-    (one per request) before it answers normally; `delay` delays completions."""
+    (one per request; None drops the connection) before it answers normally; `delay` delays
+    completions."""
 
     daemon_threads = True
 
@@ -71,7 +72,11 @@ class Handler(BaseHTTPRequestHandler):
         server.requests.append((self.path, payload))
         statuses = server.fail.get(self.path)
         if statuses:
-            return self._send(statuses.pop(0), "injected failure")
+            status = statuses.pop(0)
+            if status is None:  # dropped: the connection closes with no answer
+                self.close_connection = True
+                return None
+            return self._send(status, "injected failure")
         if self.path == "/health":
             return self._send(200, "")
         if self.path == "/v1/models":
@@ -172,6 +177,13 @@ def test_an_unavailable_server_is_waited_for_as_long_as_it_restarts(stand_in, tm
     """503s (a server starting up) for less than `timeout`: the request goes through."""
     engine = engine_for(stand_in, timeout=30.0)
     stand_in.fail["/v1/completions"] = [503] * 6  # the back-off doubles: 0.05 ... 1.6 s
+    engine.generate(*PROMPTS, SAMPLED, seed=0)
+    assert stand_in.fail["/v1/completions"] == []
+
+
+def test_dropped_connections_are_retried(stand_in):
+    engine = engine_for(stand_in, timeout=30.0)
+    stand_in.fail["/v1/completions"] = [None] * 3
     engine.generate(*PROMPTS, SAMPLED, seed=0)
     assert stand_in.fail["/v1/completions"] == []
 

@@ -33,6 +33,7 @@ used.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import threading
@@ -79,8 +80,8 @@ class VLLMServerEngine:
             Seconds to wait for the answer to one request (one prompt's `n` completions).
         backoff (`float`, *optional*, defaults to 1.0):
             Seconds before the first retry; doubled each time, up to `max_backoff`.
-        max_backoff (`float`, *optional*, defaults to 30.0):
-            The longest wait between two retries.
+        max_backoff (`float`, *optional*, defaults to 5.0):
+            The longest wait between two retries (a server coming back is noticed soon).
         max_concurrent_requests (`int`, *optional*, defaults to 32):
             Prompts in flight at once (the server batches them).
         adapter_prefix (`str`, *optional*, defaults to `"adapter"`):
@@ -97,7 +98,7 @@ class VLLMServerEngine:
         timeout: float = 240.0,
         request_timeout: float = 600.0,
         backoff: float = 1.0,
-        max_backoff: float = 30.0,
+        max_backoff: float = 5.0,
         max_concurrent_requests: int = 32,
         adapter_prefix: str = "adapter",
     ):
@@ -149,7 +150,7 @@ class VLLMServerEngine:
                     "It is overloaded or stuck: check its log, or lower max_concurrent_requests "
                     "or the completion length."
                 ) from None
-            except (urllib.error.URLError, ConnectionError, OSError) as error:
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
                 cause = repr(getattr(error, "reason", error))  # refused, dropped, unreachable
             now = time.monotonic()
             deadline = deadline or now + self.timeout
