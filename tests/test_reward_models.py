@@ -99,6 +99,7 @@ def test_scores_are_the_first_logit_on_prompt_plus_completion(tmp_path, tiny_mod
     expected = [by_hand(reward_model, tokenizer, p + c) for p, c in zip(PROMPTS, COMPLETIONS)]
     assert scores == pytest.approx(expected, abs=1e-5)
     assert len(set(scores)) == 2
+    assert reward(prompts=[], completions=[]) == []
     # The trainer learnt the pad token that a right-padded batch is pooled by.
     assert reward_model.config.pad_token_id == tokenizer.pad_token_id
     assert not reward_model.training

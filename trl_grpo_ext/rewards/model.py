@@ -142,6 +142,8 @@ class RewardModel:
         ]
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        if not completions:
+            return []
         inputs = self.processing_class(
             text=self.texts(prompts, completions),
             return_tensors="pt",
