@@ -16,7 +16,6 @@ from trainer_helpers import digit_sums, logged, lora_config, odd_first_byte  # n
 from transformers import AutoModelForCausalLM, AutoTokenizer, IntervalStrategy  # noqa: E402
 from vllm_helpers import config  # noqa: E402
 
-from trl_grpo_ext.generation.vllm_colocate import supported_lora_rank  # noqa: E402
 from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -43,6 +42,24 @@ def test_asynchronous_rollouts_three_steps_ahead_load_every_version(
         vllm_model_dir, tmp_path, vllm_mode="colocate", max_staleness=3, max_steps=8, **SHORT
     )
     generations = record_calls(trainer.rollouts.engine.llm, "generate")
+    # The engine loads version 1 only once the trainer has saved version 3, as when generation
+    # is slower than training: versions 2 and 3 are on disk, not loaded yet.
+    publisher = trainer.rollouts.publisher
+    saved_v3 = threading.Event()
+    snapshot, load = publisher.snapshot, publisher.load
+
+    def snapshotting(version):
+        folder = snapshot(version)
+        if version == 3:
+            saved_v3.set()
+        return folder
+
+    def loading(weights, version):
+        if version == 1:
+            assert saved_v3.wait(timeout=120)
+        return load(weights, version)
+
+    publisher.snapshot, publisher.load = snapshotting, loading
     trainer.train()
     staleness = logged(trainer, "async/staleness")
     assert len(staleness) == 8 and 0 <= min(staleness) and max(staleness) <= 3
@@ -76,10 +93,14 @@ def test_a_failed_generation_is_an_error_and_the_engine_stays_usable(
     ("rank", "expected"), [(1, 1), (2, 8), (4, 8), (8, 8), (9, 16), (300, 320), (512, 512)]
 )
 def test_max_lora_rank_rounds_up_to_a_rank_vllm_accepts(rank, expected):
+    from trl_grpo_ext.generation.vllm_colocate import supported_lora_rank
+
     assert supported_lora_rank(rank) == expected
 
 
 def test_a_lora_rank_above_vllms_largest_is_a_clear_error():
+    from trl_grpo_ext.generation.vllm_colocate import supported_lora_rank
+
     with pytest.raises(ValueError, match="lower lora_r .* to 512"):
         supported_lora_rank(513)
 
