@@ -113,6 +113,12 @@ class WeightPublisher:
         if not self.is_adapter:
             with gathered(self.model()) as model:
                 return [(name, t.detach().to("cpu", copy=True)) for name, t in named_weights(model)]
+        if self._base_pending:
+            # Here, on the trainer's thread: a ZeRO-3 gather is a collective every process
+            # makes in the same order, and the first snapshot comes before any generation.
+            with gathered(self.model()) as model:
+                self.engine.load_weights(base_weights(model))
+            self._base_pending = False
         with self._lock:
             if version in self._folders:  # saved already (an evaluation, then the pipeline)
                 return self._folders[version]
@@ -130,10 +136,6 @@ class WeightPublisher:
             self.engine.load_weights(weights)
             self.version = version
             return
-        if self._base_pending:
-            with gathered(self.model()) as model:
-                self.engine.load_weights(base_weights(model))
-            self._base_pending = False
         self.engine.publish_adapter(weights, version)
         self.version = version
         with self._lock:  # versions before this one are never loaded again
@@ -335,7 +337,9 @@ def _vllm_quantization(model) -> str | None:
     """vLLM's name for the quantization `model` was loaded with (None when it is not)."""
     if not getattr(model, "is_quantized", False):
         return None
-    method = str(getattr(model.config, "quantization_config", {}).get("quant_method", ""))
+    config = getattr(model.config, "quantization_config", None) or {}
+    method = config.get("quant_method") if isinstance(config, dict) else config.quant_method
+    method = str(getattr(method, "value", method) or "")
     if method == "bitsandbytes" and getattr(model, "is_loaded_in_4bit", False):
         return "bitsandbytes"
     raise ValueError(

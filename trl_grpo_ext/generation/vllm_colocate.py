@@ -16,7 +16,6 @@ the process group stays (vLLM uses it), with world size 1.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import random
 import shutil
@@ -301,17 +300,14 @@ class VLLMColocateEngine:
             self.llm.sleep(level=1)
 
     def close(self) -> None:
-        """Stops the engine and frees what it holds: its worker, its memory, and the temporary
-        copy of the base model it was built on. Nothing may be generated afterwards."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            engine_core = getattr(llm.llm_engine, "engine_core", None)
-            if engine_core is not None:
-                engine_core.shutdown()
-            del llm
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        """Drops the engine and removes the temporary copy of the base model it was built on.
+        Nothing may be generated afterwards.
+
+        vLLM's own shutdown is not called, nor is the engine collected at once: in this process
+        either tears down vLLM's process-wide parallel state and `torch.distributed`'s default
+        group, which the trainer (and any other engine of the process) still uses. Its memory
+        returns when the process ends."""
+        self.llm = None
         if hasattr(self, "_remove_folder"):
             self._remove_folder()
 
