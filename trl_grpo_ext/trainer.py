@@ -40,6 +40,7 @@ from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .generation import check_prompt_dataset
 from .generation.engines import engine_model_folder, policy_for_generation
+from .generation.engines import lora_rank as max_lora_rank
 from .generation.producer import RolloutProducer
 from .hub import HubMixin, is_peft_model
 from .metrics import completions_table, print_completions, rollout_metrics
@@ -195,9 +196,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
 
                 self.add_callback(SyncRefModelCallback(self.ref_model, self.accelerator))
         self.eos_token_ids = eos_token_ids(model, processing_class)
-        lora_rank = None
-        if is_peft_model(model):
-            lora_rank = max(config.r for config in model.peft_config.values())
+        lora_rank = max_lora_rank(model) if is_peft_model(model) else None
         self.rollouts = RolloutProducer(
             args,
             processing_class,

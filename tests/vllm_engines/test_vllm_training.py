@@ -38,8 +38,8 @@ LOGP_TOLERANCE = 1e-4  # engine against trainer log-probs, float32 on both sides
 
 def vllm_trainer(model_dir, output_dir, **config):
     """A trainer on the vLLM-compatible tiny model (LoRA r=8 unless peft=False) with vLLM."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = config.pop("model", None) or AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = config.pop("tokenizer", None) or AutoTokenizer.from_pretrained(model_dir)
     config.setdefault("vllm_max_model_length", 128)
     return make_trainer(output_dir, model=model, tokenizer=tokenizer, use_vllm=True, **config)
 
