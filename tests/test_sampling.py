@@ -307,3 +307,91 @@ def test_pad_to_multiple_of_pads_without_changing_the_training(tmp_path):
     assert padded_loss == pytest.approx(plain_loss, abs=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(padded_weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- TRL's vLLM stop keys in generation_kwargs
+
+# Digits and capitals: about 1 in 7 byte tokens, and in no special token's text.
+STOPS = list("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def sample_rows(tmp_path, seed, **generation_kwargs):
+    trainer = make_trainer(
+        tmp_path,
+        max_completion_length=10,
+        generation_kwargs=generation_kwargs or None,
+        per_device_train_batch_size=16,
+    )
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
+    torch.manual_seed(seed)
+    return trainer.rollouts.generate(rows, version=0)
+
+
+def test_stop_ends_each_completion_at_its_first_stop_string(tmp_path, monkeypatch):
+    criteria = []
+    original = GenerationMixin._get_stopping_criteria
+
+    def recording(self, *args, **kwargs):
+        built = original(self, *args, **kwargs)
+        criteria.extend(type(criterion).__name__ for criterion in built)
+        return built
+
+    monkeypatch.setattr(GenerationMixin, "_get_stopping_criteria", recording)
+    free = sample_rows(tmp_path / "free", seed=3)
+    stopped = sample_rows(tmp_path / "stop", seed=3, stop=STOPS, include_stop_str_in_output=True)
+    assert "StopStringCriteria" in criteria  # `generate` itself stops, not only the mask
+    tokenizer = build_tiny_tokenizer()
+    ends = 0
+    for row in range(len(free)):
+        free_ids = free.completion_ids[row][free.completion_mask[row].bool()].tolist()
+        ids = stopped.completion_ids[row][stopped.completion_mask[row].bool()].tolist()
+        # The same draws: the completion is the unstopped one, cut after its first stop token.
+        texts = [tokenizer.decode([token]) for token in free_ids]
+        first = next((t for t, text in enumerate(texts) if set(text) & set(STOPS)), None)
+        if first is None:
+            assert ids == free_ids
+            assert bool(stopped.is_truncated[row]) == bool(free.is_truncated[row])
+        else:
+            ends += 1
+            assert ids == free_ids[: first + 1]
+            assert not stopped.is_truncated[row]  # ended by a stop string, not by the length cap
+            assert stopped.completions[row] == tokenizer.decode(ids, skip_special_tokens=True)
+            assert set(tokenizer.decode(ids[-1:])) & set(STOPS)
+    assert 0 < ends < len(free)  # both kinds of completion occur
+
+
+def test_the_stop_keys_are_checked_and_stop_is_transformers_stop_strings():
+    config = sampling_config(
+        max_new_tokens=4, eos_token_id=[1], pad_token_id=0, generation_kwargs={"stop": "\n"}
+    )
+    assert config.stop_strings == ["\n"]
+    with pytest.raises(ValueError, match="same setting: keep one"):
+        sampling_config(
+            max_new_tokens=4,
+            eos_token_id=[1],
+            pad_token_id=0,
+            generation_kwargs={"stop": ["a"], "stop_strings": ["b"]},
+        )
+    for bad in ({"stop": [1]}, {"stop": [""]}, {"include_stop_str_in_output": "yes"}):
+        with pytest.raises(ValueError, match="generation_kwargs"):
+            sampling_config(
+                max_new_tokens=4, eos_token_id=[1], pad_token_id=0, generation_kwargs=bad
+            )
+
+
+def test_vllm_gets_the_stop_keys_as_its_own():
+    from trl_grpo_ext.generation.vllm_sampling import sampling_fields
+
+    config = sampling_config(
+        max_new_tokens=4,
+        eos_token_id=[1],
+        pad_token_id=0,
+        generation_kwargs={"stop": ["</answer>", "\n\n"], "include_stop_str_in_output": True},
+    )
+    fields = sampling_fields(config, seed=0)  # no error: both are honoured
+    assert fields["stop"] == ["</answer>", "\n\n"]
+    assert fields["include_stop_str_in_output"] is True
+    plain = sampling_fields(
+        sampling_config(max_new_tokens=4, eos_token_id=[1], pad_token_id=0), seed=0
+    )
+    assert plain["stop"] == [] and plain["include_stop_str_in_output"] is False

@@ -41,12 +41,14 @@ class TransformersEngine:
             generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
         cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
             (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
+        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
     holds_own_weights = False
 
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
@@ -54,7 +56,11 @@ class TransformersEngine:
                 stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
                 prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model, prompt_ids, prompt_mask, generation_config=generation_config
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    generation_config=generation_config,
+                    tokenizer=self.tokenizer,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 
@@ -185,7 +191,7 @@ def engine_model_folder(model, tokenizer) -> str:
     return folder
 
 
-def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
+def build_engine(args, policy, model_folder: str | None, lora_rank: int | None, tokenizer=None):
     """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings).
 
     Args:
@@ -197,7 +203,7 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
             adapters of that rank); None for full fine-tuning.
     """
     if not args.use_vllm:
-        return TransformersEngine(policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+        return TransformersEngine(policy, args.cast_lm_head_to_fp32, tokenizer)
     if args.vllm_mode == "server":
         if lora_rank is None:
             raise ValueError(

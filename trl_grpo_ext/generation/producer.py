@@ -30,7 +30,7 @@ from ..checkpoints import ResumableWorker
 from ..rollout import Rollout, completion_mask_from_ids, generation_seed, pad_rollout
 from .engines import EngineWorker, TransformersEngine, WeightPublisher, build_engine
 from .prompts import PromptEncoder, is_conversational
-from .sampling import sampling_config_from_args
+from .sampling import end_at_stop_strings, sampling_config_from_args
 
 
 class RolloutProducer:
@@ -62,7 +62,7 @@ class RolloutProducer:
             args, num_return_sequences=args.num_generations_eval or args.num_generations, **ids
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
-        self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        self.engine = build_engine(args, policy, engine_folder, lora_rank, tokenizer)
         self.publisher: WeightPublisher | None = None
         if not isinstance(self.engine, TransformersEngine):
             self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
@@ -105,7 +105,7 @@ class RolloutProducer:
         """The engine for the evaluation harness, with the weights of `version`: this one, or
         transformers in this process while the asynchronous worker is using the engine."""
         if self.pipeline is not None and self.publisher is not None:
-            return TransformersEngine(self.policy, self.args.cast_lm_head_to_fp32)
+            return TransformersEngine(self.policy, self.args.cast_lm_head_to_fp32, self.tokenizer)
         self.publish(version)
         return self.engine
 
@@ -125,6 +125,11 @@ class RolloutProducer:
         group_size = len(completion_ids) // len(rows)
         prompts = [row["prompt"] for row in rows]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        if self.sampling.stop_strings:  # a stop string ends a completion as an eos does
+            completion_mask, stopped = end_at_stop_strings(
+                self.tokenizer, completion_ids, completion_mask, self.sampling.stop_strings
+            )
+            is_truncated = is_truncated & ~stopped
         pad = self.tokenizer.pad_token_id
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
         rollout = Rollout(
