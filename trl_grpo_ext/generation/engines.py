@@ -191,7 +191,7 @@ def engine_model_folder(model, tokenizer) -> str:
     return folder
 
 
-def build_engine(args, policy, model_folder: str | None, lora_rank: int | None, tokenizer=None):
+def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
     """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings).
 
     Args:
@@ -203,7 +203,7 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None, 
             adapters of that rank); None for full fine-tuning.
     """
     if not args.use_vllm:
-        return TransformersEngine(policy, args.cast_lm_head_to_fp32, tokenizer)
+        return TransformersEngine(policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
     if args.vllm_mode == "server":
         if lora_rank is None:
             raise ValueError(

@@ -62,7 +62,9 @@ class RolloutProducer:
             args, num_return_sequences=args.num_generations_eval or args.num_generations, **ids
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
-        self.engine = build_engine(args, policy, engine_folder, lora_rank, tokenizer)
+        self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
         self.publisher: WeightPublisher | None = None
         if not isinstance(self.engine, TransformersEngine):
             self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
