@@ -10,12 +10,12 @@ from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
+    assert_stop_strings_end_where_transformers_does,
     completion_mask,
     config,
     lora_adapter,
 )
 
-from trl_grpo_ext.generation.sampling import end_at_stop_strings  # noqa: E402
 from trl_grpo_ext.generation.vllm_sampling import sampling_params  # noqa: E402
 from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
 
@@ -147,26 +147,4 @@ def test_load_weights_replaces_the_engines_weights(colocate_engine, tokenizer, p
 def test_stop_strings_end_completions_where_transformers_ends_them(
     colocate_engine, hf_model, tokenizer, prompts
 ):
-    free = colocate_engine.generate(*prompts, config(tokenizer, greedy=True))[2]  # (2, T)
-    length = int(completion_mask(free, tokenizer.eos_token_id)[0].sum())
-    texts = [tokenizer.decode([token]) for token in free[0, :length].tolist()]
-    # A printable character that the first greedy completion produces after its first token.
-    position = next(t for t, text in enumerate(texts) if t > 0 and text.isalnum())
-    stop_config = config(tokenizer, greedy=True, generation_kwargs={"stop": texts[position]})
-    ends = {}
-    for name, completion_ids in (
-        ("vllm", colocate_engine.generate(*prompts, stop_config)[2]),
-        (
-            "transformers",
-            generate_with_transformers(
-                hf_model, *prompts, generation_config=stop_config, tokenizer=tokenizer
-            )[2],
-        ),
-    ):
-        mask = completion_mask(completion_ids, tokenizer.eos_token_id).long()
-        mask, stopped = end_at_stop_strings(
-            tokenizer, completion_ids, mask, stop_config.stop_strings
-        )
-        ends[name] = [ids[row_mask.bool()].tolist() for ids, row_mask in zip(completion_ids, mask)]
-        assert stopped[0] and ends[name][0] == free[0, : position + 1].tolist()
-    assert ends["vllm"] == ends["transformers"]
+    assert_stop_strings_end_where_transformers_does(colocate_engine, hf_model, tokenizer, prompts)
