@@ -395,3 +395,27 @@ def test_vllm_gets_the_stop_keys_as_its_own():
         sampling_config(max_new_tokens=4, eos_token_id=[1], pad_token_id=0), seed=0
     )
     assert plain["stop"] == [] and plain["include_stop_str_in_output"] is False
+
+
+def test_stop_ends_the_asynchronous_workers_completions_too(tmp_path):
+    # The rollout worker's `generate` has no tokenizer to match strings with; the completion is
+    # ended at its first stop string all the same, before the rewards see it.
+    seen = []
+
+    def recording(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(
+        tmp_path,
+        reward_funcs=recording,
+        max_staleness=1,
+        max_steps=2,
+        max_completion_length=10,
+        generation_kwargs={"stop": STOPS},
+    )
+    trainer.train()
+    assert len(seen) == 16
+    ended = [text for text in seen if set(text) & set(STOPS)]
+    assert ended and all(not set(text[:-1]) & set(STOPS) for text in ended)
+    assert all(text[-1] in STOPS for text in ended)
