@@ -419,3 +419,21 @@ def test_stop_ends_the_asynchronous_workers_completions_too(tmp_path):
     ended = [text for text in seen if set(text) & set(STOPS)]
     assert ended and all(not set(text[:-1]) & set(STOPS) for text in ended)
     assert all(text[-1] in STOPS for text in ended)
+
+
+def test_end_at_stop_strings_keeps_the_token_that_completes_the_first_stop():
+    from trl_grpo_ext.generation.sampling import end_at_stop_strings
+
+    tokenizer = build_tiny_tokenizer()  # one token per byte
+    eos = tokenizer.eos_token_id
+    rows = ["xy</a>zz</a>", "no stop here", "ab"]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in rows]
+    ids[2] = ids[2] + [eos] + tokenizer.encode("</a>", add_special_tokens=False)
+    width = max(map(len, ids))
+    completion_ids = torch.tensor(
+        [row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids]
+    )
+    mask = torch.tensor([[1] * 12, [1] * 12, [1, 1, 1] + [0] * 9])  # up to the eos of row 2
+    ended, stopped = end_at_stop_strings(tokenizer, completion_ids, mask, ["</a>", "zz z"])
+    assert ended.sum(dim=1).tolist() == [6, 12, 3]  # "xy</a>"; unchanged; the eos came first
+    assert stopped.tolist() == [True, False, False]

@@ -15,12 +15,6 @@ import contextlib
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-# TRL's vLLM-only `generation_kwargs` keys (vLLM `SamplingParams` fields) that every engine here
-# honours: `stop` is transformers' `stop_strings`; `include_stop_str_in_output` only trims the text
-# vLLM returns, which no engine here uses (the completion is decoded from the sampled token ids,
-# stop string included, as TRL decodes them too), so it has no effect on what is trained.
-VLLM_STOP_KEYS = ("stop", "include_stop_str_in_output")
-
 
 def sampling_config(
     *,
@@ -62,7 +56,13 @@ def sampling_config(
 
 
 def _with_stop_strings(generation_kwargs: dict) -> dict:
-    """`generation_kwargs` with vLLM's `stop` as transformers' `stop_strings` (a list)."""
+    """`generation_kwargs` with vLLM's `stop` as transformers' `stop_strings` (a list).
+
+    TRL's vLLM-only keys work with every engine: `stop` stops `generate` and vLLM alike.
+    `include_stop_str_in_output` is kept for vLLM, where it only trims the text vLLM returns;
+    no engine here uses that text (the completion is decoded from the sampled token ids, stop
+    string included, as TRL decodes them too), so it changes nothing that is trained.
+    """
     kwargs = dict(generation_kwargs)
     if "stop" in kwargs:
         if kwargs.get("stop_strings") is not None:
@@ -118,8 +118,12 @@ def end_at_stop_strings(
         ids = completion_ids[row, : int(length)].tolist()
         if not has_stop(ids):
             continue
-        end = next(end for end in range(1, len(ids) + 1) if has_stop(ids[:end]))
-        mask[row, end:] = 0
+        # The shortest prefix that holds a stop (a longer prefix's text extends a shorter one's).
+        low, high = 1, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if has_stop(ids[:middle]) else (middle + 1, high)
+        mask[row, low:] = 0
         stopped[row] = True
     return mask, stopped
 

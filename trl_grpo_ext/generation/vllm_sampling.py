@@ -39,7 +39,7 @@ HONOURED_FIELDS = {
     "return_dict_in_generate",
     "transformers_version",
     "stop_strings",  # vLLM's `stop`
-    "include_stop_str_in_output",  # vLLM's own (see `sampling.VLLM_STOP_KEYS`)
+    "include_stop_str_in_output",  # vLLM's own (see `sampling._with_stop_strings`)
 }
 
 
