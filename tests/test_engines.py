@@ -158,6 +158,7 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
 
     monkeypatch.setattr(VLLMServerEngine, "wait_until_ready", lambda self: None)
     loaded = []
+    monkeypatch.setattr(VLLMServerEngine, "check_same_model", lambda self: None)
     monkeypatch.setattr(
         VLLMServerEngine, "_request", lambda self, path, payload: loaded.append(payload)
     )

@@ -429,7 +429,11 @@ class GroupRelativeConfig(TrainingArguments):
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
     vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Seconds to wait for the vLLM server."}
+        default=240.0,
+        metadata={
+            "help": "Seconds to wait for the vLLM server to come up (as in TRL); also how long a "
+            "server that stops answering mid-run (restarting) is waited for before the run fails."
+        },
     )
     vllm_group_port: int = field(
         default=51216, metadata={"help": "Port of the weight-update group of the vLLM server."}

@@ -124,23 +124,39 @@ class EngineWorker:
     One background thread handles weight updates and generation requests in the order they were
     sent, so a batch submitted after version v is generated with v or a later version, which is
     what `RolloutPipeline`'s staleness bound needs; the version a batch actually used is reported.
+
+    A weight update that fails (the server refuses the adapter, or is gone) stops the worker: no
+    later batch is generated with the older weights, and the update's own error is raised by
+    the next `update_weights` or `result`, so the trainer stops with its cause.
     """
 
     def __init__(self, engine, publisher: WeightPublisher, generation_config):
         self.engine, self.publisher, self.generation_config = engine, publisher, generation_config
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._futures: dict[int, Future] = {}
+        self._failure: BaseException | None = None  # of a weight update
 
     def update_weights(self, version: int, weights=None) -> None:
+        self._raise_failure()
         snapshot = self.publisher.snapshot(version)  # now, on the trainer's thread
-        self._thread.submit(self.publisher.load, snapshot, version).add_done_callback(_raise)
+        self._thread.submit(self._load, snapshot, version)
+
+    def _load(self, snapshot, version: int) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.publisher.load(snapshot, version)
+        except BaseException as error:  # noqa: BLE001 - raised on the trainer's thread
+            self._failure = error
 
     def submit(self, index: int, prompts, seed: int) -> None:
+        self._raise_failure()
         self._futures[index] = self._thread.submit(self._generate, index, prompts, seed)
 
     def _generate(self, index, prompts, seed):
         from ..async_rollout import GeneratedBatch
 
+        self._raise_failure()
         version = self.publisher.version
         tensors = self.engine.generate(*prompts, self.generation_config, seed)
         return GeneratedBatch(index, version, *tensors)
@@ -148,12 +164,12 @@ class EngineWorker:
     def result(self, index: int):
         return self._futures.pop(index).result()
 
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
-
-
-def _raise(future: Future) -> None:
-    future.result()  # a failed weight update surfaces in the log at once, and again at result()
 
 
 @contextlib.contextmanager
