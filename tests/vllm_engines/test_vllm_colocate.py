@@ -10,6 +10,7 @@ from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
+    assert_stop_strings_end_where_transformers_does,
     completion_mask,
     config,
     lora_adapter,
@@ -159,3 +160,9 @@ def test_a_failed_generation_is_an_error_and_the_engine_stays_usable(
     # the failed requests were dropped: the next call runs (it waited on them forever before)
     assert not colocate_engine.llm.llm_engine.has_unfinished_requests()
     assert torch.equal(colocate_engine.generate(*prompts, greedy)[2], expected)
+
+
+def test_stop_strings_end_completions_where_transformers_ends_them(
+    colocate_engine, hf_model, tokenizer, prompts
+):
+    assert_stop_strings_end_where_transformers_does(colocate_engine, hf_model, tokenizer, prompts)

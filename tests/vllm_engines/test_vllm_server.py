@@ -14,6 +14,7 @@ from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
+    assert_stop_strings_end_where_transformers_does,
     completion_mask,
     config,
     lora_adapter,
@@ -41,6 +42,12 @@ def test_greedy_output_equals_transformers_token_for_token(
 
 def test_sampled_token_logprobs_are_the_trainers(server_engine, hf_model, tokenizer, prompts):
     assert_sampled_logprobs_match_trainer(server_engine, hf_model, tokenizer, prompts)
+
+
+def test_stop_strings_end_completions_where_transformers_ends_them(
+    server_engine, hf_model, tokenizer, prompts
+):
+    assert_stop_strings_end_where_transformers_does(server_engine, hf_model, tokenizer, prompts)
 
 
 def test_top_k_1_sampling_equals_greedy(server_engine, tokenizer, prompts):

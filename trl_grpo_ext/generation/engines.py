@@ -43,12 +43,14 @@ class TransformersEngine:
             generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
         cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
             (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
+        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
     holds_own_weights = False
 
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
@@ -56,7 +58,11 @@ class TransformersEngine:
                 stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
                 prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model, prompt_ids, prompt_mask, generation_config=generation_config
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    generation_config=generation_config,
+                    tokenizer=self.tokenizer,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 

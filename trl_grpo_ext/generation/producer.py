@@ -30,7 +30,7 @@ from ..checkpoints import ResumableWorker
 from ..rollout import Rollout, completion_mask_from_ids, generation_seed, pad_rollout
 from .engines import EngineWorker, TransformersEngine, WeightPublisher, build_engine
 from .prompts import PromptEncoder, is_conversational
-from .sampling import sampling_config_from_args
+from .sampling import end_at_stop_strings, sampling_config_from_args
 
 
 class RolloutProducer:
@@ -63,6 +63,8 @@ class RolloutProducer:
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
         self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
         self.publisher: WeightPublisher | None = None
         if not isinstance(self.engine, TransformersEngine):
             self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
@@ -138,6 +140,11 @@ class RolloutProducer:
         group_size = len(completion_ids) // len(rows)
         prompts = [row["prompt"] for row in rows]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        if self.sampling.stop_strings:  # a stop string ends a completion as an eos does
+            completion_mask, stopped = end_at_stop_strings(
+                self.tokenizer, completion_ids, completion_mask, self.sampling.stop_strings
+            )
+            is_truncated = is_truncated & ~stopped
         pad = self.tokenizer.pad_token_id
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
         rollout = Rollout(
