@@ -17,10 +17,10 @@ the batches were published in order, the engine was never used by two threads at
 left in TMPDIR and no process left in the cell's process group. The server cells share one
 server (`--enable-lora --max-lora-rank 16`).
 
-Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts). Measured
-when all cells pass, on 2 CPU cores: 4.3 CPU-minutes for the whole module, server included (a
-colocated process ~35 s of CPU, a server one ~11 s); 17 minutes of wall-clock time on a machine shared with five other jobs (load 11-19),
-about 5 minutes expected on an idle one. A hang costs its 300 s.
+Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts), so at
+most 45 minutes if every one hung. Measured with every cell passing, on 2 CPU cores shared with
+other jobs (load 4-7): 6 min 52 s for the module, server included, and 4.1 CPU-minutes (a
+colocated process ~36 s of CPU, a server one ~12 s). A hang costs its 300 s.
 """
 
 import getpass
