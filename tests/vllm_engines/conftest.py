@@ -81,7 +81,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir, port: int, log, as_documented: bool = True) -> subprocess.Popen:
+def start_server(
+    model_dir, port: int, log, as_documented: bool = True, max_lora_rank: int = MAX_LORA_RANK
+) -> subprocess.Popen:
     """Starts a real, unmodified vLLM server for `model_dir` on `port`, writing to the open file
     `log`; returns once `/health` answers. `as_documented`: LoRA enabled, runtime adapter updates
     allowed, processed log-probs; else vLLM's defaults (none of these)."""
@@ -96,7 +98,7 @@ def start_server(model_dir, port: int, log, as_documented: bool = True) -> subpr
     if as_documented:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         command += ["--logprobs-mode", "processed_logprobs", "--enable-lora"]
-        command += ["--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1"]
+        command += ["--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
     # A session of its own: the server's engine and worker processes are stopped with it.
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -174,3 +176,15 @@ def restartable_server(vllm_model_dir, tmp_path):
         yield server
     finally:
         stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
+def vllm_server_rank_16(vllm_model_dir, tmp_path_factory):
+    """A server as `vllm_server`, with --max-lora-rank 16 (adapters of rank up to 16)."""
+    port = free_port()
+    with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
+        process = start_server(vllm_model_dir, port, log, max_lora_rank=16)
+        try:
+            yield f"http://127.0.0.1:{port}", process
+        finally:
+            stop_server(process)
