@@ -21,7 +21,7 @@ from trl_grpo_ext.checkpoints import (
     load_rollout_state,
     save_rollout_state,
 )
-from trl_grpo_ext.rollout import generation_seed
+from trl_grpo_ext.generation.transformers_engine import generation_seed
 from trl_grpo_ext.tiny import build_tiny_tokenizer, tiny_model_and_tokenizer
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)

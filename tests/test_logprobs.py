@@ -6,9 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_grpo_ext.logprobs import capture_head_inputs, head_token_logprobs, output_head
+from trl_grpo_ext.logprobs import (
+    _shared_prompt_logits,
+    capture_head_inputs,
+    completion_logprobs,
+    head_token_logprobs,
+    output_head,
+)
 from trl_grpo_ext.objective import token_logprobs
-from trl_grpo_ext.rollout import _shared_prompt_logits, completion_logprobs
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 
@@ -284,7 +289,8 @@ def test_cast_lm_head_to_fp32_in_generation(tiny):
     """Generation with transformers computes every step's logits in float32, as TRL's
     `cast_lm_head_to_fp32` does; the model keeps its bf16 head."""
     from trl_grpo_ext.generation import sampling_config
-    from trl_grpo_ext.generation.engines import TransformersEngine, in_eval_mode
+    from trl_grpo_ext.generation.engines import in_eval_mode
+    from trl_grpo_ext.generation.transformers_engine import TransformersEngine
 
     model = tiny.to(torch.bfloat16)
     head = model.lm_head

@@ -29,11 +29,8 @@ from typing import Protocol
 import torch
 import torch.multiprocessing as mp
 
-from .rollout import (
-    completion_mask_from_ids,
-    generate_with_transformers,
-    seeded,
-)
+from .generation.rollout import completion_mask_from_ids
+from .generation.transformers_engine import generate_with_transformers, seeded
 
 
 @dataclass

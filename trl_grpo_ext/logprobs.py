@@ -13,7 +13,7 @@ keeping only two numbers per position (the log-normaliser and the entropy); the 
 recomputes each chunk's logits. So the extra memory is a few buffers of `chunk_tokens * V` values,
 however many completion tokens there are, for the price of one more head matmul per chunk.
 
-`capture_head_inputs` and `output_head` let `rollout.completion_logprobs` run a (PEFT-, DDP- or
+`capture_head_inputs` and `output_head` let `completion_logprobs` run a (PEFT-, DDP- or
 autocast-wrapped) model through its own forward while its output head only records the hidden
 states it receives, so every wrapper still sees its forward pass.
 """
@@ -25,13 +25,17 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .objective import token_logprobs
+
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "capture_head_inputs",
+    "completion_logprobs",
     "float32_head",
     "head_token_logprobs",
     "logit_transform",
     "output_head",
+    "packing_pays",
 ]
 
 # 1024 tokens x V = 151,936 is 0.6 GB per float32 buffer; the backward pass holds about three.
@@ -355,3 +359,193 @@ def capture_head_inputs(head: torch.nn.Linear):
             del head.forward
         else:
             head.forward = previous
+
+
+def _unwrapped_config(model):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def completion_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_ids,
+    temperature=1.0,
+    return_entropy=False,
+    logprob_chunk_tokens=None,
+    cast_lm_head_to_fp32=False,
+):
+    """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
+
+    The model runs its usual forward pass (through any DDP or PEFT wrapper), but its output head
+    only hands over the last hidden states of the completion positions; the log-probs come from
+    them in chunks of `logprob_chunk_tokens` positions (`logprobs.head_token_logprobs`), so the
+    `(B, T, V)` logits never exist at once. Where the head's weight cannot be used directly (LoRA
+    on the output layer, FSDP, DeepSpeed ZeRO-3), the model's head computes the logits of the
+    completion positions only (`logits_to_keep`).
+
+    Consecutive rows that share their prompt (the completions of one group) are packed into one
+    sequence that holds the prompt once (`_shared_prompt_logits`), where that costs less
+    (`packing_pays`): the same numbers as running every row in full, up to floating-point
+    rounding, for (G - 1) / G less work on the prompt tokens.
+
+    Args:
+        logprob_chunk_tokens (`int`, *optional*):
+            Completion positions whose logits exist at once; None for
+            `logprobs.DEFAULT_CHUNK_TOKENS` (1024). Peak extra memory is a few float32 buffers
+            of `logprob_chunk_tokens * V` values.
+        cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
+            Compute the logits in float32 from float32 hidden states and head weight, as TRL's
+            `cast_lm_head_to_fp32` (here without changing the model's parameters).
+    """
+    completion_length = completion_ids.shape[1]
+    head = output_head(model)
+    if head is None and cast_lm_head_to_fp32:
+        raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
+    outputs = _shared_prompt_logits(
+        model, input_ids, attention_mask, completion_length, head=head
+    )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+    if outputs is None:
+        outputs = _head_outputs(
+            model,
+            head,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=completion_length + 1,
+            use_cache=False,
+        )[:, :-1]  # position t predicts completion token t
+    if head is None:
+        return token_logprobs(
+            outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
+        )
+    softcap, scale = logit_transform(model)
+    return head_token_logprobs(
+        outputs,
+        head.weight,
+        completion_ids,
+        bias=head.bias,
+        temperature=temperature,
+        chunk_tokens=logprob_chunk_tokens,
+        return_entropy=return_entropy,
+        final_logit_softcapping=softcap,
+        logit_scale=scale,
+        upcast=cast_lm_head_to_fp32,
+    )
+
+
+def _head_outputs(model, head, **inputs):
+    """The logits of a forward pass, or with `head` (the model's output head) its inputs."""
+    if head is None:
+        return model(**inputs).logits
+    with capture_head_inputs(head) as captured:
+        model(**inputs)
+    if len(captured) != 1:
+        raise RuntimeError(f"expected the output head to run once, it ran {len(captured)} times")
+    return captured[0]
+
+
+def packing_pays(model, prompt_length: int, completion_length: int, group_size: int) -> bool:
+    """Whether one packed row of `P + G*T` tokens costs fewer FLOPs than `G` rows of `P + T`.
+
+    Per layer, a token costs `2 * (4 d^2 + 3 d m)` in its linear layers (hidden size d, MLP
+    width m) and `4 d L` in attention over a row of L tokens: the packed row's mask hides most
+    keys, but the attention kernel still computes them. So packing pays when the prompt is long
+    next to the completions, and loses when the completions are long. Measured on SmolLM2-135M
+    (float32, CPU, forward and backward, G = 8): P = 57, T = 64: 0.60x the time of the rows
+    (predicted 0.66x); P = 57, T = 256: 1.40x (predicted 1.24x, so not packed).
+    """
+    config = _unwrapped_config(model)
+    hidden = getattr(config, "hidden_size", None)
+    if not hidden:
+        return True
+    width = getattr(config, "intermediate_size", None) or 4 * hidden
+    linear = 2 * (4 * hidden * hidden + 3 * hidden * width)
+    packed = prompt_length + group_size * completion_length
+    row = prompt_length + completion_length
+    packed_cost = packed * (linear + 4 * hidden * packed)
+    rows_cost = group_size * row * (linear + 4 * hidden * row)
+    return packed_cost < rows_cost
+
+
+def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
+    """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
+    once, in one forward pass; None when it does not apply (no two consecutive rows share a
+    prompt, groups of unequal size, or an attention implementation that ignores custom masks)
+    or does not pay (`packing_pays`). With `head` (the model's output head), the hidden states
+    `(B, T, H)` that enter it instead of the logits.
+
+    Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
+    but its last token, then for every completion a block of `T` tokens (the last prompt token
+    and the completion but its last token). A 4D mask lets each block attend to the prompt and
+    causally to itself only, and position ids restart at the prompt's end in every block, so
+    each block computes exactly what its full row would; gradients of all the blocks add up in
+    the one copy of the prompt. Right padding needs no mask (no real token attends to it).
+    """
+    rows, total_length = input_ids.shape
+    prompt_length = total_length - completion_length
+    if prompt_length < 2 or rows < 2 or completion_length < 1:
+        return None
+    implementation = getattr(_unwrapped_config(model), "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return None
+    prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
+    same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
+        prompt_mask[1:] == prompt_mask[:-1]
+    ).all(1)  # (B - 1,)
+    if not bool(same_as_previous.all()):
+        starts = torch.cat([same_as_previous.new_ones(1), ~same_as_previous]).nonzero()
+        sizes = torch.diff(torch.cat([starts.squeeze(1), starts.new_tensor([rows])]))
+        if len(sizes) == rows or not bool((sizes == sizes[0]).all()):
+            return None
+    group_size = rows if bool(same_as_previous.all()) else int(sizes[0])
+    num_prompts = rows // group_size
+    # Columns that are padding in every row carry nothing; drop them.
+    padded = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())
+    if not packing_pays(model, prompt_length - padded, completion_length, group_size):
+        return None
+    first_rows = torch.arange(0, rows, group_size, device=input_ids.device)  # (U,)
+    prefix_ids = prompt_ids[first_rows, padded:-1]  # (U, Q)
+    prefix_mask = prompt_mask[first_rows, padded:-1].bool()  # (U, Q)
+    prefix_length = prefix_ids.shape[1]
+    if prefix_length == 0:
+        return None
+    blocks = input_ids[:, prompt_length - 1 : -1]  # (B, T)
+    packed_ids = torch.cat(
+        [prefix_ids, blocks.reshape(num_prompts, group_size * completion_length)], 1
+    )  # (U, L) with L = Q + n * T
+    length = packed_ids.shape[1]
+    position = torch.arange(length, device=input_ids.device)  # (L,)
+    block = torch.where(
+        position < prefix_length, -1, (position - prefix_length) // completion_length
+    )  # (L,): -1 for the prompt, else the completion's index in its group
+    position_ids = torch.where(
+        position < prefix_length,
+        position,
+        prefix_length + (position - prefix_length) % completion_length,
+    )  # (L,)
+    allowed = (position[None, :] <= position[:, None]) & (
+        (block[None, :] == -1) | (block[None, :] == block[:, None])
+    )  # (L, L): causal, and a block sees the prompt and itself
+    key_is_real = torch.cat(
+        [prefix_mask, prefix_mask.new_ones(num_prompts, length - prefix_length)], 1
+    )  # (U, L)
+    allowed = (allowed.unsqueeze(0) & key_is_real.unsqueeze(1)) | torch.eye(
+        length, dtype=torch.bool, device=input_ids.device
+    )  # (U, L, L); a padding query sees itself, so no row is empty
+    if implementation == "sdpa":
+        mask = allowed  # boolean, True where attention is allowed
+    else:  # eager attention adds the mask to the scores
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    outputs = _head_outputs(
+        model,
+        head,
+        input_ids=packed_ids,
+        attention_mask=mask.unsqueeze(1),  # (U, 1, L, L)
+        position_ids=(position_ids + padded).expand(num_prompts, -1),
+        use_cache=False,
+        logits_to_keep=group_size * completion_length,
+    )  # (U, n * T, V), or (U, n * T, H) with `head`
+    return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)

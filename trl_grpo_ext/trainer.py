@@ -41,7 +41,10 @@ from .dynamic_sampling import random_rows, sample_informative
 from .generation import check_prompt_dataset
 from .generation.engines import engine_model_folder, policy_for_generation
 from .generation.producer import RolloutProducer
+from .generation.rollout import Rollout, eos_token_ids
+from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin, is_peft_model
+from .logprobs import completion_logprobs
 from .metrics import completions_table, print_completions, rollout_metrics
 from .models import load_policy, prepare_policy
 from .objective import (
@@ -53,7 +56,6 @@ from .objective import (
     weighted_rewards,
 )
 from .off_policy import behaviour_correction
-from .rollout import Rollout, completion_logprobs, eos_token_ids, generation_seed, seeded
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
 from .scoring import call_reward_funcs, resolve_reward_funcs, reward_name, reward_weights
 

@@ -8,8 +8,9 @@ An engine samples G completions for each of B left-padded prompts:
 of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)` and `(B*G, T)`, groups in consecutive rows.
 `generation_config` is the complete `GenerationConfig` of `sampling.sampling_config`.
 
-- `TransformersEngine`: the policy's own `generate`, in this process. Its behaviour log-probs are
-  None: the sampling policy is the trained one, whose log-probs the trainer computes exactly.
+- `TransformersEngine` (`transformers_engine.py`): the policy's own `generate`, in this
+  process. Its behaviour log-probs are None: the sampling policy is the trained one, whose
+  log-probs the trainer computes exactly.
 - `VLLMColocateEngine` (`vllm_colocate.py`) and `VLLMServerEngine` (`vllm_server.py`): vLLM
   in this process or behind an unmodified `vllm serve`. They hold their own copy of the weights
   and return the log-probs of the sampled tokens, which the trainer corrects for (TRL's
@@ -29,37 +30,7 @@ import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..logprobs import float32_head
-from ..rollout import generate_with_transformers, seeded
-
-
-class TransformersEngine:
-    """`generate` of the policy, in this process.
-
-    Args:
-        policy (`Callable[[], ContextManager]`): enters a block in which it yields the model to
-            generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
-        cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
-            (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
-    """
-
-    holds_own_weights = False
-
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
-        self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
-
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
-        with self.policy() as model, contextlib.ExitStack() as stack:
-            if self.cast_lm_head_to_fp32:
-                stack.enter_context(float32_head(model))
-            with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
-                prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model, prompt_ids, prompt_mask, generation_config=generation_config
-                )
-        return prompt_ids, prompt_mask, completion_ids, None
-
-    def close(self):
-        pass
+from .transformers_engine import TransformersEngine
 
 
 class WeightPublisher:

@@ -27,10 +27,11 @@ import torch
 
 from ..async_rollout import ProcessRolloutWorker, RolloutPipeline
 from ..checkpoints import ResumableWorker
-from ..rollout import Rollout, completion_mask_from_ids, generation_seed, pad_rollout
-from .engines import EngineWorker, TransformersEngine, WeightPublisher, build_engine
+from .engines import EngineWorker, WeightPublisher, build_engine
 from .prompts import PromptEncoder, is_conversational
+from .rollout import Rollout, completion_mask_from_ids, pad_rollout
 from .sampling import sampling_config_from_args
+from .transformers_engine import TransformersEngine, generation_seed
 
 
 class RolloutProducer:
