@@ -104,7 +104,7 @@ class EngineWorker:
         self._futures[index] = self._thread.submit(self._generate, index, prompts, seed)
 
     def _generate(self, index, prompts, seed):
-        from ..async_rollout import GeneratedBatch
+        from .async_rollout import GeneratedBatch
 
         version = self.publisher.version
         tensors = self.engine.generate(*prompts, self.generation_config, seed)

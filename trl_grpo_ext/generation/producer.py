@@ -25,9 +25,9 @@ import weakref
 
 import torch
 
-from ..async_rollout import ProcessRolloutWorker, RolloutPipeline
-from ..checkpoints import ResumableWorker
+from .async_rollout import ResumableWorker, RolloutPipeline
 from .engines import EngineWorker, WeightPublisher, build_engine
+from .process_worker import ProcessRolloutWorker
 from .prompts import PromptEncoder, is_conversational
 from .rollout import Rollout, completion_mask_from_ids, pad_rollout
 from .sampling import sampling_config_from_args

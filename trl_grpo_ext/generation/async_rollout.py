@@ -11,7 +11,7 @@ trains on the current one. `RolloutPipeline` decides what the worker may generat
   hence its staleness j - version is at most k. With k = 0 the trainer waits for each batch
   right after sending its weights: the synchronous trainer.
 
-`ProcessRolloutWorker` is the worker on one machine: a separate process with its own copy of
+`ProcessRolloutWorker` (`process_worker.py`) is the worker on one machine: a separate process with its own copy of
 the model running `transformers` generate, so generation and training overlap on separate CPU
 cores (or a second GPU). A server backend (for example vLLM with LoRA hot-loading) would
 implement the same four methods: `update_weights`, `submit`, `result`, `close`.
@@ -19,18 +19,11 @@ implement the same four methods: `update_weights`, `submit`, `result`, `close`.
 
 from __future__ import annotations
 
-import copy
-import queue
-import sys
-import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.multiprocessing as mp
-
-from .generation.rollout import completion_mask_from_ids
-from .generation.transformers_engine import generate_with_transformers, seeded
 
 
 @dataclass
@@ -54,96 +47,6 @@ class RolloutWorker(Protocol):
     def result(self, index: int) -> GeneratedBatch: ...
 
     def close(self) -> None: ...
-
-
-def sample_batch(model, prompts, generation_config, seed):
-    """Samples one generation batch and the behaviour log-probs of its tokens (from the
-    sampling pass's own logits, as a server backend such as vLLM reports them)."""
-    with seeded(seed, model.device):
-        prompt_ids, prompt_mask, completion_ids, behaviour_logps = generate_with_transformers(
-            model, *prompts, generation_config=generation_config, return_logprobs=True
-        )
-    eos = generation_config.eos_token_id
-    completion_mask, _ = completion_mask_from_ids(
-        completion_ids, eos if isinstance(eos, list) else [eos]
-    )
-    return prompt_ids, prompt_mask, completion_ids, behaviour_logps * completion_mask
-
-
-def _worker_main(model, generation_config, threads, requests, results):
-    torch.set_num_threads(threads)
-    model.eval()
-    parameters = dict(model.named_parameters())
-    version = 0
-    while True:
-        message = requests.get()
-        if message[0] == "stop":
-            return
-        if message[0] == "weights":
-            _, version, weights = message
-            with torch.no_grad():
-                for name, value in weights.items():
-                    parameters[name].copy_(value)
-            continue
-        _, index, prompts, seed = message
-        try:
-            tensors = sample_batch(model, prompts, generation_config, seed)
-            results.put((index, version, tensors))
-        except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
-            results.put((index, version, traceback.format_exc()))
-
-
-class ProcessRolloutWorker:
-    """A rollout worker in a separate process, with its own copy of the model."""
-
-    def __init__(self, model, generation_config, threads=1):
-        # fork needs no importable __main__ and shares the copied model without pickling; CUDA
-        # cannot cross a fork, so a process that initialised it spawns instead (which needs the
-        # usual `if __name__ == "__main__":` guard in the user's script).
-        use_fork = sys.platform == "linux" and not torch.cuda.is_initialized()
-        context = mp.get_context("fork" if use_fork else "spawn")
-        self._requests, self._results = context.Queue(), context.Queue()
-        worker_model = (
-            copy.deepcopy(model).cpu() if model.device.type != "cpu" else copy.deepcopy(model)
-        )
-        self._process = context.Process(
-            target=_worker_main,
-            args=(worker_model, generation_config, threads, self._requests, self._results),
-            daemon=True,
-        )
-        self._process.start()
-        self._ready: dict[int, tuple] = {}
-
-    def update_weights(self, version, weights):
-        self._requests.put(
-            ("weights", version, {k: v.detach().cpu().clone() for k, v in weights.items()})
-        )
-
-    def submit(self, index, prompts, seed):
-        self._requests.put(("generate", index, tuple(prompts), seed))
-
-    def result(self, index) -> GeneratedBatch:
-        while index not in self._ready:
-            try:
-                got_index, version, payload = self._results.get(timeout=5)
-            except queue.Empty:
-                if not self._process.is_alive():
-                    raise RuntimeError(
-                        f"The rollout worker died (exit code {self._process.exitcode})."
-                    ) from None
-                continue
-            self._ready[got_index] = (version, payload)
-        version, payload = self._ready.pop(index)
-        if isinstance(payload, str):
-            raise RuntimeError(f"The rollout worker failed on batch {index}:\n{payload}")
-        return GeneratedBatch(index, version, *payload)
-
-    def close(self):
-        if self._process.is_alive():
-            self._requests.put(("stop",))
-            self._process.join(timeout=10)
-            if self._process.is_alive():
-                self._process.terminate()
 
 
 class RolloutPipeline:
@@ -196,6 +99,75 @@ class RolloutPipeline:
         if self.sent_version is None or self.sent_version < version:
             self.worker.update_weights(version, weights())
             self.sent_version = version
+
+    def close(self):
+        self.worker.close()
+
+
+@dataclass
+class InFlightBatch:
+    """A batch the rollout worker was asked for, with the request that produced it."""
+
+    prompt_tokens: list[list[int]]  # each prompt's ids, padding removed
+    seed: int
+    batch: GeneratedBatch
+
+
+class ResumableWorker:
+    """Wraps a rollout worker so that its in-flight batches can be checkpointed and restored.
+
+    It remembers the prompts and seed of each batch submitted and not yet taken. `in_flight()`
+    waits for those batches and keeps them for `result`; a worker built with `restored` batches
+    serves one of them, instead of generating it, when it is submitted with the same prompts and
+    seed.
+
+    Args:
+        worker (`RolloutWorker`): the worker that generates.
+        restored (`dict[int, InFlightBatch]`, *optional*): batches from a checkpoint.
+    """
+
+    def __init__(self, worker, restored: dict[int, InFlightBatch] | None = None):
+        self.worker = worker
+        self._restored = dict(restored or {})
+        self._requests: dict[int, tuple[list[list[int]], int]] = {}
+        self._finished: dict[int, GeneratedBatch] = {}
+
+    def update_weights(self, version, weights):
+        self.worker.update_weights(version, weights)
+
+    def submit(self, index, prompts, seed):
+        prompt_ids, prompt_mask = prompts
+        tokens = [ids[keep.bool()].tolist() for ids, keep in zip(prompt_ids, prompt_mask)]
+        request = (tokens, seed)
+        self._requests[index] = request
+        restored = self._restored.pop(index, None)
+        if restored is not None:
+            if (restored.prompt_tokens, restored.seed) == request:
+                self._finished[index] = restored.batch
+                return
+            warnings.warn(
+                f"The checkpoint's batch for step {index} was sampled for other prompts (was "
+                "ignore_data_skip set, or the dataset changed?): sampling it again with the "
+                "restored weights, so this run leaves the uninterrupted one.",
+                stacklevel=2,
+            )
+        self.worker.submit(index, prompts, seed)
+
+    def result(self, index) -> GeneratedBatch:
+        self._requests.pop(index, None)
+        if index in self._finished:
+            return self._finished.pop(index)
+        return self.worker.result(index)
+
+    def in_flight(self) -> dict[int, InFlightBatch]:
+        """The batches submitted and not taken yet; waits until the worker has generated them."""
+        for index in self._requests:
+            if index not in self._finished:
+                self._finished[index] = self.worker.result(index)
+        return {
+            index: InFlightBatch(tokens, seed, self._finished[index])
+            for index, (tokens, seed) in sorted(self._requests.items())
+        }
 
     def close(self):
         self.worker.close()
