@@ -14,8 +14,7 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from ..logprobs import float32_head
-from ..objective import token_logprobs
+from ..logprobs import float32_head, token_logprobs
 from .sampling import isolated_from_checkpoint
 
 
