@@ -436,3 +436,35 @@ def reference_token_logprobs(logits, token_ids, temperature):
             logps[b, t] = log_p[token_ids[b, t]]
             entropy[b, t] = -(log_p.exp() * log_p).sum()
     return logps, entropy
+
+
+class FullSizeTensors(TorchDispatchMode):
+    """Counts the tensors any operator returns with at least `size` elements."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size, self.count = size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() >= self.size:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_builds_no_full_size_tensor_but_the_gradient(dtype):
+    """Given `(B, T, V)` logits, the only logits-sized tensor built is their gradient: forward
+    and backward work on `chunk_size` rows at a time, and the caller's logits are not touched."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(6, 4, 40, generator=generator)).to(dtype).requires_grad_()
+    token_ids = torch.randint(40, (6, 4), generator=generator)
+    before = logits.detach().clone()
+    with FullSizeTensors(logits.numel()) as forward:
+        logps, entropy = token_logprobs(logits, token_ids, 0.7, chunk_size=2, return_entropy=True)
+    assert forward.count == 0
+    with FullSizeTensors(logits.numel()) as backward:
+        (grad,) = torch.autograd.grad(logps.sum() + entropy.sum(), logits)
+    assert backward.count == 1 and grad.dtype == dtype
+    assert torch.equal(logits.detach(), before)

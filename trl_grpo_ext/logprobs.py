@@ -1,4 +1,4 @@
-"""Per-token log-probabilities from the last hidden states, without the `(B, T, V)` logits.
+"""Per-token log-probabilities of completions: the forward pass and one selective log-softmax.
 
 Step 4 of `DESIGN.md`, `log pi(o_t | q, o_<t) = log_softmax(z_t / tau)[o_t]`, where the logits
 are the model's output head applied to the last hidden state h_t:
@@ -13,9 +13,12 @@ keeping only two numbers per position (the log-normaliser and the entropy); the 
 recomputes each chunk's logits. So the extra memory is a few buffers of `chunk_tokens * V` values,
 however many completion tokens there are, for the price of one more head matmul per chunk.
 
-`capture_head_inputs` and `output_head` let `completion_logprobs` run a (PEFT-, DDP- or
-autocast-wrapped) model through its own forward while its output head only records the hidden
-states it receives, so every wrapper still sees its forward pass.
+`token_logprobs` does the same for logits that already exist, a few batch rows at a time; both
+run one autograd function, `_SelectiveLogSoftmax`.
+
+`completion_logprobs` is the trainer's forward pass: `capture_head_inputs` and `output_head` let
+it run a (PEFT-, DDP- or autocast-wrapped) model through its own forward while its output head
+only records the hidden states it receives, so every wrapper still sees its forward pass.
 """
 
 from __future__ import annotations
@@ -41,52 +44,62 @@ __all__ = [
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-class _ChunkedHeadLogSoftmax(torch.autograd.Function):
-    """`log_softmax(z / tau)[o]` and the entropy for `z = transform(h W^T + b)`, by token chunks.
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """`log_softmax(z / tau)[o]` and the entropy, one chunk of the leading dimension at a time.
 
-    Forward keeps the log-normaliser and the entropy of each token; backward recomputes one
-    chunk's logits at a time and turns them into gradients for h, W and b. The softmax runs in
-    float32 (float64 for float64 inputs); the matmul runs in the inputs' dtype, or in float32 with
-    `upcast` (TRL's `cast_lm_head_to_fp32`).
+    The logits `z` are either given (`weight` is None: `inputs` are logits `(..., V)`), or
+    computed from the last hidden states, `z = transform(h W^T + b)` (`inputs` are `(N, H)`, the
+    head's `weight` `(V, H)`). Autograd on the plain formula would keep the full logits (or a
+    full-size copy of `z / tau`, and for bf16 its float32 upcast) and a softmax of the same size
+    alive until backward. Here forward keeps the log-normaliser and the entropy of each position;
+    backward recomputes one chunk's `z` at a time and turns it into gradients for the inputs (and
+    W, b). Only chunk-sized buffers of V values exist at once, apart from the gradient of given
+    logits, which is as large as they are. The softmax runs in float32 (float64 for float64
+    inputs); the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
+    `cast_lm_head_to_fp32`).
     """
 
     @staticmethod
     def forward(
         ctx,
-        hidden,  # (N, H)
-        weight,  # (V, H)
+        inputs,  # (N, H) hidden states, or (..., V) logits when weight is None
+        weight,  # (V, H) or None
         bias,  # (V,) or None
-        token_ids,  # (N,)
+        token_ids,  # inputs.shape[:-1]
         temperature,
-        chunk_tokens,
+        chunk_rows,
         softcap,
         scale,
         upcast,
         with_entropy,
     ):
-        matmul_dtype = torch.float32 if upcast else torch.promote_types(hidden.dtype, weight.dtype)
+        if weight is None:
+            matmul_dtype = inputs.dtype  # no matmul: the dtype the logits come in
+        elif upcast:
+            matmul_dtype = torch.float32
+        else:
+            matmul_dtype = torch.promote_types(inputs.dtype, weight.dtype)
         compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
         transform = (temperature, softcap, scale, matmul_dtype, compute_dtype)
-        matmul_weight = weight.to(matmul_dtype)  # (V, H); a copy only with `upcast`
-        num_tokens = hidden.shape[0]
-        logps = hidden.new_empty(num_tokens, dtype=compute_dtype)  # (N,)
-        logsumexp = torch.empty_like(logps)  # (N,)
+        matmul_weight = None if weight is None else weight.to(matmul_dtype)  # a copy with upcast
+        logps = inputs.new_empty(inputs.shape[:-1], dtype=compute_dtype)  # (N,) or (B, T)
+        logsumexp = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            z = _chunk_logits(hidden[rows], matmul_weight, bias, *transform)  # (c, V)
-            chunk_lse = z.logsumexp(dim=-1)  # (c,)
+        for start in range(0, inputs.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            z = _chunk_logits(inputs[rows], matmul_weight, bias, *transform)  # (c, [T,] V)
+            chunk_lse = z.logsumexp(dim=-1)  # (c, [T])
             logps[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
             logsumexp[rows] = chunk_lse
             if with_entropy:
                 # H = logsumexp - sum_v p_v z_v
-                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, V)
+                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, [T,] V)
                 entropy[rows] = chunk_lse - probs.mul_(z).sum(dim=-1)
                 del probs
             del z  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, bias, token_ids, logsumexp, entropy)
+        ctx.save_for_backward(inputs, weight, bias, token_ids, logsumexp, entropy)
         ctx.transform = transform
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_rows = chunk_rows
         ctx.with_entropy = with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -95,31 +108,31 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
+        inputs, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        needs_inputs, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if (grad_logps is None and grad_entropy is None) or not (
-            needs_hidden or needs_weight or needs_bias
+            needs_inputs or needs_weight or needs_bias
         ):
             return (None,) * 10
         temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
-        matmul_weight = weight.to(matmul_dtype)  # (V, H)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
+        matmul_weight = None if weight is None else weight.to(matmul_dtype)  # (V, H)
+        grad_inputs = torch.empty_like(inputs) if needs_inputs else None  # (N, H) or (..., V)
         # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
-        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        accumulate = None if weight is None else torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if needs_weight else None
         grad_bias = torch.zeros_like(bias, dtype=accumulate) if needs_bias else None
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
-            chunk_hidden = hidden[rows].to(matmul_dtype)  # (c, H)
-            z = _chunk_logits(chunk_hidden, matmul_weight, bias, *ctx.transform)  # (c, V)
+        for start in range(0, inputs.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            chunk_inputs = inputs[rows] if weight is None else inputs[rows].to(matmul_dtype)
+            z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
             if softcap is not None:
                 # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
                 slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
-            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # (c, V), in place of z
-            probs = log_probs.exp()  # (c, V)
-            grad = log_probs  # (c, V): the gradient wrt z, built in place of log_probs
+            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # in place of z
+            probs = log_probs.exp()
+            grad = log_probs  # the gradient wrt z, built in place of log_probs
             if grad_entropy is not None:
                 # dH / dz_v = -p_v (log p_v + H)
                 grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
@@ -128,7 +141,7 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
                 grad.zero_()
             if grad_logps is not None:
                 # d log p_k / dz_v = 1[v = k] - p_v
-                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, 1)
+                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
                 grad.addcmul_(probs, chunk_grad, value=-1)
                 grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
             del probs
@@ -136,30 +149,97 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
             if softcap is not None:
                 grad.mul_(slope)
                 del slope
-            # grad (c, V) is now the gradient wrt the head's output
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
+            # grad is now the gradient wrt the given logits, or the head's output
+            if grad_inputs is not None:
+                if weight is None:
+                    grad_inputs[rows] = grad
+                else:
+                    grad_inputs[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
             if grad_weight is not None:
                 # In float32 (not the bf16 matmul): rounding each chunk's product to bf16 before
                 # the sum would bias the weight's gradient.
-                grad_weight.addmm_(grad.t().to(accumulate), chunk_hidden.to(accumulate))  # (V, H)
+                grad_weight.addmm_(grad.t().to(accumulate), chunk_inputs.to(accumulate))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)  # (V,)
             del z, log_probs, grad  # one buffer, freed before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
+        return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
 
 
-def _chunk_logits(hidden, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
-    """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk of tokens, `(c, V)` in compute_dtype."""
-    bias = None if bias is None else bias.to(matmul_dtype)
-    z = F.linear(hidden.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
+def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
+    """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk, in compute_dtype; with `weight` None,
+    `inputs` are the logits and this is a copy of them divided by tau."""
+    if weight is None:
+        z = inputs.to(compute_dtype, copy=True)  # (c, [T,] V), never the caller's logits
+    else:
+        bias = None if bias is None else bias.to(matmul_dtype)
+        z = F.linear(inputs.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
     if scale != 1.0:
         z.mul_(scale)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     return z.div_(temperature)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 4,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each chosen token at the sampling temperature, `log softmax(z/tau)[o_t]`.
+
+    A selective log-softmax: the log-normaliser is computed per chunk of `chunk_size` batch rows
+    and the chosen logit is gathered, so no second vocabulary-sized tensor is built for the whole
+    batch, in the forward or the backward pass (`_SelectiveLogSoftmax`, the function
+    `head_token_logprobs` runs on the head's output). bf16/fp16 logits are upcast to float32 one
+    chunk at a time; the results are float32 (float64 for float64 logits).
+
+    Args:
+        logits (`torch.Tensor`):
+            Logits of shape `(B, T, V)`, already aligned with `token_ids` (the logits at position
+            t predict token t).
+        token_ids (`torch.Tensor`):
+            Chosen token ids of shape `(B, T)`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature; the logits are divided by it, so that the log-probabilities are
+            those of the distribution the completions were sampled from.
+        chunk_size (`int`, *optional*, defaults to `4`):
+            Number of batch rows processed at once. Peak extra memory is a few float32
+            buffers of `chunk_size * T * V` values each.
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the entropy (in nats) of the tempered distribution at each position.
+
+    Returns:
+        `torch.Tensor` of shape `(B, T)`, or a tuple `(logps, entropy)` of two such tensors when
+        `return_entropy=True`. Both are differentiable with respect to `logits`.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
+    if token_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_ids must have shape {tuple(logits.shape[:2])} to match logits, "
+            f"got {tuple(token_ids.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logps, entropy = _SelectiveLogSoftmax.apply(
+        logits,
+        None,  # the logits are given: no head
+        None,
+        token_ids.long(),
+        float(temperature),
+        int(chunk_size),  # batch rows of T positions each
+        None,  # no softcap
+        1.0,  # no scale
+        False,
+        return_entropy,
+    )
+    return (logps, entropy) if return_entropy else logps
 
 
 def head_token_logprobs(
@@ -176,7 +256,7 @@ def head_token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token, `log softmax(z / tau)[o_t]`, from the hidden states.
 
-    The same numbers as `objective.token_logprobs(head(hidden_states), token_ids, temperature)`,
+    The same numbers as `token_logprobs(head(hidden_states), token_ids, temperature)`,
     with `head(h) = c * tanh(s * (h W^T + b) / c)`, but the logits exist only `chunk_tokens`
     positions at a time, in the forward and in the backward pass.
 
@@ -227,7 +307,7 @@ def head_token_logprobs(
             f"states, got {tuple(token_ids.shape)}"
         )
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
-    logps, entropy = _ChunkedHeadLogSoftmax.apply(
+    logps, entropy = _SelectiveLogSoftmax.apply(
         hidden,
         weight,
         bias,
@@ -548,118 +628,3 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
         logits_to_keep=group_size * completion_length,
     )  # (U, n * T, V), or (U, n * T, H) with `head`
     return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """`log_softmax(logits / tau).gather(token_ids)` (and entropy), chunked over batch rows.
-
-    Autograd on the plain formula would keep a full-size copy of `logits / tau` (and, for bf16,
-    of its float32 upcast) alive until backward. Here forward and backward both recompute the
-    softmax one chunk of rows at a time from the saved `logits`, so only one chunk-sized
-    float32 buffer exists at a time; the only full-size allocation is the gradient itself.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, temperature, chunk_size, with_entropy):
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        batch_size, seq_len, _ = logits.shape
-        logps = logits.new_empty((batch_size, seq_len), dtype=compute_dtype)  # (B, T)
-        logsumexp = torch.empty_like(logps)  # (B, T)
-        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for start in range(0, batch_size, chunk_size):
-            rows = slice(start, start + chunk_size)
-            scaled = logits[rows].to(compute_dtype) / temperature  # (b, T, V), chunk-sized
-            chunk_lse = scaled.logsumexp(dim=-1)  # (b, T)
-            chosen = scaled.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1)  # (b, T)
-            logps[rows] = chosen - chunk_lse
-            logsumexp[rows] = chunk_lse
-            if with_entropy:
-                # H = -sum_v p_v log p_v = logsumexp - sum_v p_v z_v
-                probs = (scaled - chunk_lse.unsqueeze(-1)).exp_()  # (b, T, V)
-                entropy[rows] = chunk_lse - (probs * scaled).sum(dim=-1)
-        ctx.save_for_backward(logits, token_ids, logsumexp, entropy)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.with_entropy = with_entropy
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        logits, token_ids, logsumexp, entropy = ctx.saved_tensors
-        if not ctx.with_entropy:
-            grad_entropy = None
-        if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None
-        compute_dtype = logsumexp.dtype
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        grad_logits = torch.empty_like(logits)  # (B, T, V)
-        for start in range(0, logits.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            scaled = logits[rows].to(compute_dtype) / temperature  # (b, T, V)
-            log_probs = scaled - logsumexp[rows].unsqueeze(-1)  # (b, T, V)
-            probs = log_probs.exp()  # (b, T, V)
-            grad = torch.zeros_like(scaled)  # (b, T, V), gradient wrt z / tau
-            if grad_logps is not None:
-                # d log p_k / d z_v = 1[v = k] - p_v
-                chunk_grad = grad_logps[rows].unsqueeze(-1)  # (b, T, 1)
-                grad -= probs * chunk_grad
-                grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
-            if grad_entropy is not None:
-                # dH / d z_v = -p_v (log p_v + H)
-                chunk_entropy = entropy[rows].unsqueeze(-1)  # (b, T, 1)
-                grad -= probs * (log_probs + chunk_entropy) * grad_entropy[rows].unsqueeze(-1)
-            grad_logits[rows] = grad / temperature
-        return grad_logits, None, None, None, None
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 4,
-    return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each chosen token at the sampling temperature, `log softmax(z/tau)[o_t]`.
-
-    A selective log-softmax: the log-normaliser is computed per chunk of `chunk_size` batch rows
-    and the chosen logit is gathered, so no second vocabulary-sized tensor is built for the whole
-    batch, in the forward or the backward pass (see `_SelectiveLogSoftmax`). bf16/fp16 logits are
-    upcast to float32 one chunk at a time; the results are float32 (float64 for float64 logits).
-
-    Args:
-        logits (`torch.Tensor`):
-            Logits of shape `(B, T, V)`, already aligned with `token_ids` (the logits at position
-            t predict token t).
-        token_ids (`torch.Tensor`):
-            Chosen token ids of shape `(B, T)`.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature; the logits are divided by it, so that the log-probabilities are
-            those of the distribution the completions were sampled from.
-        chunk_size (`int`, *optional*, defaults to `4`):
-            Number of batch rows processed at once. Peak extra memory is a few float32
-            buffers of `chunk_size * T * V` values each.
-        return_entropy (`bool`, *optional*, defaults to `False`):
-            Also return the entropy (in nats) of the tempered distribution at each position.
-
-    Returns:
-        `torch.Tensor` of shape `(B, T)`, or a tuple `(logps, entropy)` of two such tensors when
-        `return_entropy=True`. Both are differentiable with respect to `logits`.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
-    if token_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"token_ids must have shape {tuple(logits.shape[:2])} to match logits, "
-            f"got {tuple(token_ids.shape)}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    logps, entropy = _SelectiveLogSoftmax.apply(
-        logits, token_ids.long(), float(temperature), int(chunk_size), return_entropy
-    )
-    return (logps, entropy) if return_entropy else logps
