@@ -11,10 +11,11 @@ trains on the current one. `RolloutPipeline` decides what the worker may generat
   hence its staleness j - version is at most k. With k = 0 the trainer waits for each batch
   right after sending its weights: the synchronous trainer.
 
-`ProcessRolloutWorker` (`process_worker.py`) is the worker on one machine: a separate process with its own copy of
-the model running `transformers` generate, so generation and training overlap on separate CPU
-cores (or a second GPU). A server backend (for example vLLM with LoRA hot-loading) would
-implement the same four methods: `update_weights`, `submit`, `result`, `close`.
+The worker is `engines.EngineWorker` over an engine: vLLM (colocated or a server), or on one
+machine without vLLM `process_worker.ProcessEngine`, a separate process with its own copy of the
+model running `transformers` generate, so generation and training overlap on separate CPU cores.
+A worker implements four methods: `update_weights`, `submit`, `result`, `close`.
+`ResumableWorker` wraps it to keep the batches in flight for a checkpoint.
 """
 
 from __future__ import annotations

@@ -1,17 +1,26 @@
-"""`ProcessRolloutWorker`: `transformers` generation in a separate process with its own copy of
-the model, so that generation and training overlap on separate CPU cores (or a second GPU)."""
+"""`ProcessEngine`: `transformers` generation in a separate process with its own copy of the
+model, so that generation and training overlap on separate CPU cores (or a second GPU).
+
+It is an engine like the others (`engines.py`): `generate` samples one batch in the process and
+returns the log-probs of the sampled tokens from the sampling pass's own logits (as a vLLM engine
+reports them); `load_weights` sends it new weights. `ParameterPublisher` keeps it on the trainer's
+weights: the trained parameters (the adapter's under LoRA), copied to the CPU when a version is
+snapshotted. The asynchronous pipeline runs it through `engines.EngineWorker`, as it runs a vLLM
+engine.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import sys
+import threading
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-from .async_rollout import GeneratedBatch
 from .rollout import completion_mask_from_ids
 from .transformers_engine import generate_with_transformers, seeded
 
@@ -19,7 +28,7 @@ from .transformers_engine import generate_with_transformers, seeded
 def sample_batch(model, prompts, generation_config, seed):
     """Samples one generation batch and the behaviour log-probs of its tokens (from the
     sampling pass's own logits, as a server backend such as vLLM reports them)."""
-    with seeded(seed, model.device):
+    with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = generate_with_transformers(
             model, *prompts, generation_config=generation_config, return_logprobs=True
         )
@@ -30,33 +39,40 @@ def sample_batch(model, prompts, generation_config, seed):
     return prompt_ids, prompt_mask, completion_ids, behaviour_logps * completion_mask
 
 
-def _worker_main(model, generation_config, threads, requests, results):
+def _worker_main(model, threads, requests, results):
     torch.set_num_threads(threads)
     model.eval()
     parameters = dict(model.named_parameters())
-    version = 0
     while True:
         message = requests.get()
         if message[0] == "stop":
             return
         if message[0] == "weights":
-            _, version, weights = message
+            _, weights = message
             with torch.no_grad():
                 for name, value in weights.items():
                     parameters[name].copy_(value)
             continue
-        _, index, prompts, seed = message
+        _, prompts, generation_config, seed = message
         try:
-            tensors = sample_batch(model, prompts, generation_config, seed)
-            results.put((index, version, tensors))
+            results.put(sample_batch(model, prompts, generation_config, seed))
         except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
-            results.put((index, version, traceback.format_exc()))
+            results.put(traceback.format_exc())
 
 
-class ProcessRolloutWorker:
-    """A rollout worker in a separate process, with its own copy of the model."""
+class ProcessEngine:
+    """`transformers` generation in a separate process, with its own copy of the model (on the
+    CPU). Requests are handled in the order they are sent.
 
-    def __init__(self, model, generation_config, threads=1):
+    Args:
+        model (`nn.Module`): copied (to the CPU) when the engine starts; a `PeftModel` under LoRA.
+        threads (`int`, *optional*, defaults to 1): CPU threads of the process
+            (`rollout_worker_threads`).
+    """
+
+    holds_own_weights = True
+
+    def __init__(self, model, threads: int = 1):
         # fork needs no importable __main__ and shares the copied model without pickling; CUDA
         # cannot cross a fork, so a process that initialised it spawns instead (which needs the
         # usual `if __name__ == "__main__":` guard in the user's script).
@@ -68,39 +84,76 @@ class ProcessRolloutWorker:
         )
         self._process = context.Process(
             target=_worker_main,
-            args=(worker_model, generation_config, threads, self._requests, self._results),
+            args=(worker_model, threads, self._requests, self._results),
             daemon=True,
         )
         self._process.start()
-        self._ready: dict[int, tuple] = {}
+        self._lock = threading.Lock()  # one request in flight: results come back in order
 
-    def update_weights(self, version, weights):
-        self._requests.put(
-            ("weights", version, {k: v.detach().cpu().clone() for k, v in weights.items()})
-        )
+    def load_weights(self, named_tensors) -> None:
+        """Replaces the process's parameters of these names (the tensors are sent as they are:
+        copies that nothing changes later, as `ParameterPublisher.snapshot` makes)."""
+        self._requests.put(("weights", dict(named_tensors)))
 
-    def submit(self, index, prompts, seed):
-        self._requests.put(("generate", index, tuple(prompts), seed))
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        """Samples in the process with the weights loaded last.
 
-    def result(self, index) -> GeneratedBatch:
-        while index not in self._ready:
-            try:
-                got_index, version, payload = self._results.get(timeout=5)
-            except queue.Empty:
-                if not self._process.is_alive():
-                    raise RuntimeError(
-                        f"The rollout worker died (exit code {self._process.exitcode})."
-                    ) from None
-                continue
-            self._ready[got_index] = (version, payload)
-        version, payload = self._ready.pop(index)
+        Returns:
+            `(prompt_ids, prompt_mask, completion_ids, logps)`, as
+            `generate_with_transformers(..., return_logprobs=True)`, with the log-probs 0 after
+            each completion's end.
+        """
+        with self._lock:
+            self._requests.put(("generate", (prompt_ids, prompt_mask), generation_config, seed))
+            while True:
+                try:
+                    payload = self._results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    if not self._process.is_alive():
+                        raise RuntimeError(
+                            f"The rollout worker died (exit code {self._process.exitcode})."
+                        ) from None
         if isinstance(payload, str):
-            raise RuntimeError(f"The rollout worker failed on batch {index}:\n{payload}")
-        return GeneratedBatch(index, version, *payload)
+            raise RuntimeError(f"The rollout worker failed:\n{payload}")
+        return payload
 
-    def close(self):
+    def close(self) -> None:
         if self._process.is_alive():
             self._requests.put(("stop",))
             self._process.join(timeout=10)
             if self._process.is_alive():
                 self._process.terminate()
+
+
+class ParameterPublisher:
+    """Publishes the trained parameters (those with `requires_grad`: the adapter's under LoRA) to
+    a `ProcessEngine`, with the interface of `engines.WeightPublisher`: `snapshot` copies them to
+    the CPU on the trainer's thread, `load` sends that copy to the engine.
+
+    Args:
+        engine (`ProcessEngine`): the engine to keep current.
+        model (`Callable[[], nn.Module]`): returns the unwrapped model being trained.
+    """
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+        self.version: int | None = None  # the version the engine has
+
+    def publish(self, version: int) -> None:
+        if version != self.version:
+            self.load(self.snapshot(version), version)
+
+    def snapshot(self, version: int) -> dict:
+        return {
+            name: parameter.detach().cpu().clone()
+            for name, parameter in self.model().named_parameters()
+            if parameter.requires_grad
+        }
+
+    def load(self, weights, version: int) -> None:
+        self.engine.load_weights(weights)
+        self.version = version
+
+    def close(self) -> None:
+        pass
