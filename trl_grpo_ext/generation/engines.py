@@ -15,11 +15,14 @@ of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)` and `(B*G, T)`, groups in consecuti
   in this process or behind an unmodified `vllm serve`. They hold their own copy of the weights
   and return the log-probs of the sampled tokens, which the trainer corrects for (TRL's
   `vllm_importance_sampling_*`).
+- `ProcessEngine` (`process_worker.py`): transformers in a process of its own with its own copy
+  of the model, the asynchronous worker without vLLM; it returns the sampled tokens' log-probs.
 
-`WeightPublisher` brings an engine's copy up to date: under LoRA it saves the adapter (a folder
-per version) and has the engine load it as a new adapter, with no merge into the base weights;
-in full fine-tuning it hands the engine all weights (colocated only). `EngineWorker` runs an
-engine as the rollout worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
+`WeightPublisher` brings a vLLM engine's copy up to date: under LoRA it saves the adapter (a
+folder per version) and has the engine load it as a new adapter, with no merge into the base
+weights; in full fine-tuning it hands the engine all weights (colocated only). The process
+engine's is `process_worker.ParameterPublisher`. `EngineWorker` runs an engine as the rollout
+worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
 """
 
 from __future__ import annotations
