@@ -40,6 +40,7 @@ from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .generation import check_prompt_dataset
 from .generation.engines import engine_model_folder, policy_for_generation
+from .generation.engines import lora_rank as max_lora_rank
 from .generation.producer import RolloutProducer
 from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
@@ -197,9 +198,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
 
                 self.add_callback(SyncRefModelCallback(self.ref_model, self.accelerator))
         self.eos_token_ids = eos_token_ids(model, processing_class)
-        lora_rank = None
-        if is_peft_model(model):
-            lora_rank = max(config.r for config in model.peft_config.values())
+        lora_rank = max_lora_rank(model) if is_peft_model(model) else None
         self.rollouts = RolloutProducer(
             args,
             processing_class,
@@ -332,7 +331,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             entropy_mask = high_entropy_mask(
-                entropy.detach(), batch["completion_mask"], args.top_entropy_quantile
+                entropy.detach(),
+                batch["completion_mask"],
+                args.top_entropy_quantile,
+                pooled_entropy=self._entropies_of_all_processes(entropy, batch["completion_mask"]),
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         loss, stats = policy_loss(
@@ -381,6 +383,20 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return behaviour_correction(
             self.args, old_logps, batch["behaviour_logps"], batch["completion_mask"]
         )
+
+    def _entropies_of_all_processes(self, entropy, completion_mask) -> torch.Tensor:
+        """The entropies of the completion tokens of this micro-batch on every process, 1-D: the
+        quantile of `top_entropy_quantile` is taken over all of them, as in TRL, so every
+        process keeps tokens above one threshold."""
+        local = entropy.detach()[completion_mask.bool()].float()  # (tokens here,)
+        if self.accelerator.num_processes == 1:
+            return local
+        # Processes hold different numbers of tokens: pad to the longest with a value no entropy
+        # takes (entropies are >= 0), gather, and drop the padding again (TRL's sentinel).
+        padding = -1e9
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=padding)
+        gathered = self.accelerator.gather(padded)  # (processes * longest,)
+        return gathered[gathered != padding]
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else

@@ -26,6 +26,7 @@ def generate_with_transformers(
     *,
     generation_config: GenerationConfig,
     return_logprobs: bool = False,
+    tokenizer=None,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -45,6 +46,9 @@ def generate_with_transformers(
     Args:
         prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`
             (`generation.PromptEncoder.encode`).
+        tokenizer (*optional*): lets `generate` stop at `generation_config.stop_strings`;
+            without it sampling goes on past them, and the caller ends each completion at its
+            stop (`generation.end_at_stop_strings`).
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
@@ -53,6 +57,12 @@ def generate_with_transformers(
     """
     encoded = {"input_ids": prompt_ids, "attention_mask": prompt_mask}
     encoded = {key: value.to(model.device) for key, value in encoded.items()}  # (B, P)
+    if generation_config.stop_strings:
+        if tokenizer is None:  # `generate` cannot match strings without it
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.stop_strings = None
+        else:
+            encoded["tokenizer"] = tokenizer
     with isolated_from_checkpoint(model):
         return _generate(model, encoded, generation_config, return_logprobs)
 
@@ -136,6 +146,7 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
         input_ids=input_ids,
         attention_mask=attention_mask,
         generation_config=rest_config,
+        tokenizer=encoded.get("tokenizer"),  # for stop strings
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
     if want_logits:
@@ -186,12 +197,14 @@ class TransformersEngine:
             generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
         cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
             (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
+        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
     holds_own_weights = False
 
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
@@ -199,7 +212,11 @@ class TransformersEngine:
                 stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
                 prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model, prompt_ids, prompt_mask, generation_config=generation_config
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    generation_config=generation_config,
+                    tokenizer=self.tokenizer,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 
