@@ -5,7 +5,7 @@ positions, with Qwen2.5-0.5B's shapes (hidden 896, vocabulary 151,936), float32,
 `sum(logps * advantages)`. Variants:
 
 * `chunked`: `trl_grpo_ext.logprobs.head_token_logprobs` (this project; `--chunk-tokens`).
-* `full_logits`: the full `(B, T, V)` logits, then `objective.token_logprobs` (this project's
+* `full_logits`: the full `(B, T, V)` logits, then `logprobs.token_logprobs` (this project's
   path before the chunked head).
 * `trl_selective`: the full logits, then `trl.trainer.utils.selective_log_softmax`.
 * `trl_fused`: TRL 1.16's fused head, `trl.kernels.ChunkedLogProbFunction` (what its
@@ -76,7 +76,7 @@ def _logprobs_function(variant: str, spec: dict):
             hidden, weight, token_ids, temperature=temperature, chunk_tokens=spec["chunk_tokens"]
         )
     if variant == "full_logits":
-        from trl_grpo_ext.objective import token_logprobs
+        from trl_grpo_ext.logprobs import token_logprobs
 
         return lambda hidden, weight, token_ids: token_logprobs(
             F.linear(hidden, weight), token_ids, temperature

@@ -57,8 +57,8 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_grpo_ext.generation import sampling_config
+    from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
     from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine
-    from trl_grpo_ext.rollout import generate_with_transformers
     from trl_grpo_ext.tiny import save_tiny
 
     workdir = Path(tempfile.mkdtemp(prefix="vllm-bench-"))

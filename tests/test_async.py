@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from trainer_helpers import logged, make_trainer, right_digit
 
 from trl_grpo_ext import GroupRelativeTrainer
-from trl_grpo_ext.async_rollout import GeneratedBatch, RolloutPipeline
+from trl_grpo_ext.generation.async_rollout import GeneratedBatch, RolloutPipeline
 from trl_grpo_ext.off_policy import off_policy_weights
 
 # ----------------------------------------------------------------------------- off-policy weights

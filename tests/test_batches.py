@@ -5,7 +5,7 @@ import torch
 
 from trl_grpo_ext.batches import split_micro_batches, training_tensors
 from trl_grpo_ext.dynamic_sampling import random_rows, sample_informative
-from trl_grpo_ext.rollout import Rollout
+from trl_grpo_ext.generation.rollout import Rollout
 
 
 def rollout_of(prompts: list[str], group_size: int = 2, lengths=None) -> Rollout:

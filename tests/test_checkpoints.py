@@ -13,15 +13,14 @@ from safetensors.torch import load_file
 from trainer_helpers import digit_sums, logged, make_trainer
 from transformers import TrainerCallback
 
-from trl_grpo_ext.async_rollout import GeneratedBatch
 from trl_grpo_ext.checkpoints import (
-    InFlightBatch,
     RolloutState,
     last_complete_checkpoint,
     load_rollout_state,
     save_rollout_state,
 )
-from trl_grpo_ext.rollout import generation_seed
+from trl_grpo_ext.generation.async_rollout import GeneratedBatch, InFlightBatch
+from trl_grpo_ext.generation.transformers_engine import generation_seed
 from trl_grpo_ext.tiny import build_tiny_tokenizer, tiny_model_and_tokenizer
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2)

@@ -82,6 +82,41 @@ def test_snippets_point_at_existing_sections():
                 )
 
 
+API_REFERENCE = re.compile(r"\]\[(trl_grpo_ext(?:\.\w+)*)\]|^::: (trl_grpo_ext(?:\.\w+)*)", re.M)
+
+
+def resolve(dotted: str):
+    """The object a dotted path names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[split:]:
+            target = getattr(target, name)
+        return target
+    raise ModuleNotFoundError(dotted)
+
+
+def test_api_references_name_existing_objects():
+    """A cross-reference `[name][trl_grpo_ext.module.object]` or an API entry
+    `::: trl_grpo_ext.module.object` still names something after code has moved."""
+    references = {
+        (page.name, first or second)
+        for page in pages()
+        for first, second in API_REFERENCE.findall(page.read_text(encoding="utf-8"))
+    }
+    assert len(references) > 20, "the pattern or the pages changed"
+    broken = []
+    for page, dotted in sorted(references):
+        try:
+            resolve(dotted)
+        except (ImportError, AttributeError):
+            broken.append(f"{page}: {dotted}")
+    assert not broken, f"references to objects that do not exist: {broken}"
+
+
 def test_every_example_is_included_in_a_page():
     included = {reference.partition(":")[0] for _, reference in snippet_references()}
     orphans = [p.name for p in example_files() if p.name not in included]

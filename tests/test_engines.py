@@ -12,8 +12,12 @@ from trainer_helpers import digit_sums, logged, make_trainer
 
 import trl_grpo_ext.generation.producer as producer_module
 import trl_grpo_ext.trainer as trainer_module
-from trl_grpo_ext.generation.engines import TransformersEngine, build_engine, in_eval_mode
-from trl_grpo_ext.rollout import generate_with_transformers, seeded
+from trl_grpo_ext.generation.engines import build_engine, in_eval_mode
+from trl_grpo_ext.generation.transformers_engine import (
+    TransformersEngine,
+    generate_with_transformers,
+    seeded,
+)
 
 
 class CopyEngine:

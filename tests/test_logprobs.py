@@ -6,9 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_grpo_ext.logprobs import capture_head_inputs, head_token_logprobs, output_head
-from trl_grpo_ext.objective import token_logprobs
-from trl_grpo_ext.rollout import _shared_prompt_logits, completion_logprobs
+from trl_grpo_ext.logprobs import (
+    _shared_prompt_logits,
+    capture_head_inputs,
+    completion_logprobs,
+    head_token_logprobs,
+    output_head,
+    token_logprobs,
+)
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 
@@ -168,7 +173,7 @@ def batch(vocab, groups, group_size, prompt_length=10, completion_length=4, seed
 
 
 def full_logits_logprobs(model, input_ids, attention_mask, completion_ids, temperature):
-    """Every row's full logits through the model's own head, then `objective.token_logprobs`."""
+    """Every row's full logits through the model's own head, then `token_logprobs`."""
     length = completion_ids.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, P + T, V)
     aligned = logits[:, -length - 1 : -1]  # (B, T, V)
@@ -284,7 +289,8 @@ def test_cast_lm_head_to_fp32_in_generation(tiny):
     """Generation with transformers computes every step's logits in float32, as TRL's
     `cast_lm_head_to_fp32` does; the model keeps its bf16 head."""
     from trl_grpo_ext.generation import sampling_config
-    from trl_grpo_ext.generation.engines import TransformersEngine, in_eval_mode
+    from trl_grpo_ext.generation.engines import in_eval_mode
+    from trl_grpo_ext.generation.transformers_engine import TransformersEngine
 
     model = tiny.to(torch.bfloat16)
     head = model.lm_head
@@ -353,3 +359,112 @@ def test_gemma2_final_logit_softcapping():
     uncapped = reference(hidden, model.lm_head.weight, inputs[2], temperature=0.7)[0]
     capped = completion_logprobs(model, *inputs[:3], 0.7)
     assert (uncapped - capped).abs().max() > 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# token_logprobs: the same selective log-softmax on logits
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_log_softmax_gather(chunk_size, temperature):
+    generator = torch.Generator().manual_seed(chunk_size)
+    logits = 3 * torch.randn(3, 5, 11, generator=generator)
+    token_ids = torch.randint(11, (3, 5), generator=generator)
+    logps, entropy = token_logprobs(logits, token_ids, temperature, chunk_size, return_entropy=True)
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    torch.testing.assert_close(logps, log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1))
+    ref_logps, ref_entropy = reference_token_logprobs(logits, token_ids, temperature)
+    torch.testing.assert_close(logps, ref_logps)
+    torch.testing.assert_close(entropy, ref_entropy)
+    torch.testing.assert_close(token_logprobs(logits, token_ids, temperature, chunk_size), logps)
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_token_logprobs_gradient(return_entropy):
+    # The backward pass is hand-written (chunked); check it against finite differences and
+    # against autograd through the naive formula.
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    token_ids = torch.randint(5, (3, 2), generator=generator)
+
+    def fn(x):
+        return token_logprobs(x, token_ids, 0.7, chunk_size=2, return_entropy=return_entropy)
+
+    assert torch.autograd.gradcheck(fn, (logits,))
+
+    weights = torch.randn(3, 2, generator=generator, dtype=torch.float64)
+    out = fn(logits)
+    outs = out if return_entropy else (out,)
+    (grad,) = torch.autograd.grad(sum((o * weights).sum() for o in outs), logits)
+    log_probs = torch.log_softmax(logits / 0.7, dim=-1)
+    naive = [log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)]
+    if return_entropy:
+        naive.append(-(log_probs.exp() * log_probs).sum(-1))
+    (naive_grad,) = torch.autograd.grad(sum((o * weights).sum() for o in naive), logits)
+    torch.testing.assert_close(grad, naive_grad)
+
+
+def test_token_logprobs_bf16_is_computed_in_float32():
+    generator = torch.Generator().manual_seed(4)
+    logits = (4 * torch.randn(2, 3, 50, generator=generator)).bfloat16().requires_grad_()
+    token_ids = torch.randint(50, (2, 3), generator=generator)
+    logps = token_logprobs(logits, token_ids, temperature=0.9, chunk_size=1)
+    assert logps.dtype == torch.float32
+    exact = torch.log_softmax(logits.detach().float() / 0.9, dim=-1)
+    torch.testing.assert_close(logps, exact.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))
+    logps.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad).all()
+
+
+def test_token_logprobs_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0)
+    with pytest.raises(ValueError, match="token_ids"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+def reference_token_logprobs(logits, token_ids, temperature):
+    batch_size, seq_len, _ = logits.shape
+    logps = torch.zeros(batch_size, seq_len, dtype=logits.dtype)
+    entropy = torch.zeros(batch_size, seq_len, dtype=logits.dtype)
+    for b in range(batch_size):
+        for t in range(seq_len):
+            log_p = torch.log_softmax(logits[b, t] / temperature, dim=-1)
+            logps[b, t] = log_p[token_ids[b, t]]
+            entropy[b, t] = -(log_p.exp() * log_p).sum()
+    return logps, entropy
+
+
+class FullSizeTensors(TorchDispatchMode):
+    """Counts the tensors any operator returns with at least `size` elements."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size, self.count = size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() >= self.size:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_builds_no_full_size_tensor_but_the_gradient(dtype):
+    """Given `(B, T, V)` logits, the only logits-sized tensor built is their gradient: forward
+    and backward work on `chunk_size` rows at a time, and the caller's logits are not touched."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(6, 4, 40, generator=generator)).to(dtype).requires_grad_()
+    token_ids = torch.randint(40, (6, 4), generator=generator)
+    before = logits.detach().clone()
+    with FullSizeTensors(logits.numel()) as forward:
+        logps, entropy = token_logprobs(logits, token_ids, 0.7, chunk_size=2, return_entropy=True)
+    assert forward.count == 0
+    with FullSizeTensors(logits.numel()) as backward:
+        (grad,) = torch.autograd.grad(logps.sum() + entropy.sum(), logits)
+    assert backward.count == 1 and grad.dtype == dtype
+    assert torch.equal(logits.detach(), before)

@@ -26,7 +26,6 @@ from trl_grpo_ext.objective import (
     kl_k3,
     off_policy_mask,
     policy_loss,
-    token_logprobs,
     weighted_rewards,
 )
 
@@ -83,18 +82,6 @@ def reference_group_advantages(
         divisor = {"group": group_std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
         advantages.append((r - mean) / divisor)
     return torch.tensor(advantages, dtype=rewards.dtype)
-
-
-def reference_token_logprobs(logits, token_ids, temperature):
-    batch_size, seq_len, _ = logits.shape
-    logps = torch.zeros(batch_size, seq_len, dtype=logits.dtype)
-    entropy = torch.zeros(batch_size, seq_len, dtype=logits.dtype)
-    for b in range(batch_size):
-        for t in range(seq_len):
-            log_p = torch.log_softmax(logits[b, t] / temperature, dim=-1)
-            logps[b, t] = log_p[token_ids[b, t]]
-            entropy[b, t] = -(log_p.exp() * log_p).sum()
-    return logps, entropy
 
 
 def reference_policy_loss(
@@ -357,71 +344,6 @@ def test_group_advantages_validation():
         group_advantages(rewards, 3, scale="std")
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(rewards, 0)
-
-
-# ----------------------------------------------------------------------------------------------
-# token_logprobs
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("chunk_size", [1, 2, 3, 8])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_match_log_softmax_gather(chunk_size, temperature):
-    generator = torch.Generator().manual_seed(chunk_size)
-    logits = 3 * torch.randn(3, 5, 11, generator=generator)
-    token_ids = torch.randint(11, (3, 5), generator=generator)
-    logps, entropy = token_logprobs(logits, token_ids, temperature, chunk_size, return_entropy=True)
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    torch.testing.assert_close(logps, log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))
-    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1))
-    ref_logps, ref_entropy = reference_token_logprobs(logits, token_ids, temperature)
-    torch.testing.assert_close(logps, ref_logps)
-    torch.testing.assert_close(entropy, ref_entropy)
-    torch.testing.assert_close(token_logprobs(logits, token_ids, temperature, chunk_size), logps)
-
-
-@pytest.mark.parametrize("return_entropy", [False, True])
-def test_token_logprobs_gradient(return_entropy):
-    # The backward pass is hand-written (chunked); check it against finite differences and
-    # against autograd through the naive formula.
-    generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
-    token_ids = torch.randint(5, (3, 2), generator=generator)
-
-    def fn(x):
-        return token_logprobs(x, token_ids, 0.7, chunk_size=2, return_entropy=return_entropy)
-
-    assert torch.autograd.gradcheck(fn, (logits,))
-
-    weights = torch.randn(3, 2, generator=generator, dtype=torch.float64)
-    out = fn(logits)
-    outs = out if return_entropy else (out,)
-    (grad,) = torch.autograd.grad(sum((o * weights).sum() for o in outs), logits)
-    log_probs = torch.log_softmax(logits / 0.7, dim=-1)
-    naive = [log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)]
-    if return_entropy:
-        naive.append(-(log_probs.exp() * log_probs).sum(-1))
-    (naive_grad,) = torch.autograd.grad(sum((o * weights).sum() for o in naive), logits)
-    torch.testing.assert_close(grad, naive_grad)
-
-
-def test_token_logprobs_bf16_is_computed_in_float32():
-    generator = torch.Generator().manual_seed(4)
-    logits = (4 * torch.randn(2, 3, 50, generator=generator)).bfloat16().requires_grad_()
-    token_ids = torch.randint(50, (2, 3), generator=generator)
-    logps = token_logprobs(logits, token_ids, temperature=0.9, chunk_size=1)
-    assert logps.dtype == torch.float32
-    exact = torch.log_softmax(logits.detach().float() / 0.9, dim=-1)
-    torch.testing.assert_close(logps, exact.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))
-    logps.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad).all()
-
-
-def test_token_logprobs_validation():
-    with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0)
-    with pytest.raises(ValueError, match="token_ids"):
-        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------

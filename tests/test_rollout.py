@@ -8,13 +8,13 @@ import torch
 from transformers import GenerationConfig
 
 from trl_grpo_ext.generation import PromptEncoder
-from trl_grpo_ext.objective import token_logprobs
-from trl_grpo_ext.rollout import (
+from trl_grpo_ext.generation.rollout import completion_mask_from_ids
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
+from trl_grpo_ext.logprobs import (
     _shared_prompt_logits,
     completion_logprobs,
-    completion_mask_from_ids,
-    generate_with_transformers,
     packing_pays,
+    token_logprobs,
 )
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from trl_grpo_ext.async_rollout import RolloutPipeline
 from trl_grpo_ext.generation import sampling_config
+from trl_grpo_ext.generation.async_rollout import RolloutPipeline
 from trl_grpo_ext.generation.engines import EngineWorker
 from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerError
 

@@ -9,7 +9,7 @@ from datasets import Dataset
 from trainer_helpers import digit_sums, logged, make_trainer, right_digit
 
 from trl_grpo_ext import GroupRelativeTrainer
-from trl_grpo_ext.rollout import completion_mask_from_ids
+from trl_grpo_ext.generation.rollout import completion_mask_from_ids
 from trl_grpo_ext.scoring import RewardFunctionError
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 

@@ -1,7 +1,7 @@
 """trl_grpo_ext: Group Relative Policy Optimization as a `transformers.Trainer`."""
 
 from .config import GroupRelativeConfig
-from .rollout import Rollout
+from .generation.rollout import Rollout
 from .trainer import GroupRelativeTrainer
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rollout import Rollout
+from .generation.rollout import Rollout
 
 
 def training_tensors(

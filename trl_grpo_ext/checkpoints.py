@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import load_file, save_file
 
-from .async_rollout import GeneratedBatch
+from .generation.async_rollout import GeneratedBatch, InFlightBatch
 
 ROLLOUT_STATE_NAME = "rollout_buffer"
 ROLLOUT_STATE_FORMAT = 1
@@ -114,15 +114,6 @@ def resolve_resume(resume_from_checkpoint, output_dir: str):
 
 
 # ----------------------------------------------------------------------------- rollout state
-
-
-@dataclass
-class InFlightBatch:
-    """A batch the rollout worker was asked for, with the request that produced it."""
-
-    prompt_tokens: list[list[int]]  # each prompt's ids, padding removed
-    seed: int
-    batch: GeneratedBatch
 
 
 @dataclass
@@ -276,63 +267,3 @@ def load_rollout_state(
         metrics=manifest["metrics"],
         staleness_counts={int(k): v for k, v in manifest["staleness_counts"].items()},
     )
-
-
-class ResumableWorker:
-    """Wraps a rollout worker so that its in-flight batches can be checkpointed and restored.
-
-    It remembers the prompts and seed of each batch submitted and not yet taken. `in_flight()`
-    waits for those batches and keeps them for `result`; a worker built with `restored` batches
-    serves one of them, instead of generating it, when it is submitted with the same prompts and
-    seed.
-
-    Args:
-        worker (`RolloutWorker`): the worker that generates.
-        restored (`dict[int, InFlightBatch]`, *optional*): batches from a checkpoint.
-    """
-
-    def __init__(self, worker, restored: dict[int, InFlightBatch] | None = None):
-        self.worker = worker
-        self._restored = dict(restored or {})
-        self._requests: dict[int, tuple[list[list[int]], int]] = {}
-        self._finished: dict[int, GeneratedBatch] = {}
-
-    def update_weights(self, version, weights):
-        self.worker.update_weights(version, weights)
-
-    def submit(self, index, prompts, seed):
-        prompt_ids, prompt_mask = prompts
-        tokens = [ids[keep.bool()].tolist() for ids, keep in zip(prompt_ids, prompt_mask)]
-        request = (tokens, seed)
-        self._requests[index] = request
-        restored = self._restored.pop(index, None)
-        if restored is not None:
-            if (restored.prompt_tokens, restored.seed) == request:
-                self._finished[index] = restored.batch
-                return
-            warnings.warn(
-                f"The checkpoint's batch for step {index} was sampled for other prompts (was "
-                "ignore_data_skip set, or the dataset changed?): sampling it again with the "
-                "restored weights, so this run leaves the uninterrupted one.",
-                stacklevel=2,
-            )
-        self.worker.submit(index, prompts, seed)
-
-    def result(self, index) -> GeneratedBatch:
-        self._requests.pop(index, None)
-        if index in self._finished:
-            return self._finished.pop(index)
-        return self.worker.result(index)
-
-    def in_flight(self) -> dict[int, InFlightBatch]:
-        """The batches submitted and not taken yet; waits until the worker has generated them."""
-        for index in self._requests:
-            if index not in self._finished:
-                self._finished[index] = self.worker.result(index)
-        return {
-            index: InFlightBatch(tokens, seed, self._finished[index])
-            for index, (tokens, seed) in sorted(self._requests.items())
-        }
-
-    def close(self):
-        self.worker.close()

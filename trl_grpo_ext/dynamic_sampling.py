@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from .generation.rollout import Rollout, concat_rollouts
 from .objective import weighted_rewards
-from .rollout import Rollout, concat_rollouts
 
 
 def random_rows(dataset, count: int, seed: int) -> list[dict]:

@@ -28,11 +28,12 @@ import torch
 from transformers import TrainerCallback
 
 from .generation import PromptEncoder, sampling_config
-from .generation.engines import TransformersEngine, in_eval_mode
+from .generation.engines import in_eval_mode
+from .generation.rollout import completion_mask_from_ids, eos_token_ids
+from .generation.transformers_engine import TransformersEngine
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
-from .rollout import completion_mask_from_ids, eos_token_ids
 
 
 @dataclass

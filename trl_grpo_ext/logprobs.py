@@ -1,4 +1,4 @@
-"""Per-token log-probabilities from the last hidden states, without the `(B, T, V)` logits.
+"""Per-token log-probabilities of completions: the forward pass and one selective log-softmax.
 
 Step 4 of `DESIGN.md`, `log pi(o_t | q, o_<t) = log_softmax(z_t / tau)[o_t]`, where the logits
 are the model's output head applied to the last hidden state h_t:
@@ -13,9 +13,12 @@ keeping only two numbers per position (the log-normaliser and the entropy); the 
 recomputes each chunk's logits. So the extra memory is a few buffers of `chunk_tokens * V` values,
 however many completion tokens there are, for the price of one more head matmul per chunk.
 
-`capture_head_inputs` and `output_head` let `rollout.completion_logprobs` run a (PEFT-, DDP- or
-autocast-wrapped) model through its own forward while its output head only records the hidden
-states it receives, so every wrapper still sees its forward pass.
+`token_logprobs` does the same for logits that already exist, a few batch rows at a time; both
+run one autograd function, `_SelectiveLogSoftmax`.
+
+`completion_logprobs` is the trainer's forward pass: `capture_head_inputs` and `output_head` let
+it run a (PEFT-, DDP- or autocast-wrapped) model through its own forward while its output head
+only records the hidden states it receives, so every wrapper still sees its forward pass.
 """
 
 from __future__ import annotations
@@ -28,62 +31,75 @@ import torch.nn.functional as F
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "capture_head_inputs",
+    "completion_logprobs",
     "float32_head",
     "head_token_logprobs",
     "logit_transform",
     "output_head",
+    "packing_pays",
+    "token_logprobs",
 ]
 
 # 1024 tokens x V = 151,936 is 0.6 GB per float32 buffer; the backward pass holds about three.
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-class _ChunkedHeadLogSoftmax(torch.autograd.Function):
-    """`log_softmax(z / tau)[o]` and the entropy for `z = transform(h W^T + b)`, by token chunks.
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """`log_softmax(z / tau)[o]` and the entropy, one chunk of the leading dimension at a time.
 
-    Forward keeps the log-normaliser and the entropy of each token; backward recomputes one
-    chunk's logits at a time and turns them into gradients for h, W and b. The softmax runs in
-    float32 (float64 for float64 inputs); the matmul runs in the inputs' dtype, or in float32 with
-    `upcast` (TRL's `cast_lm_head_to_fp32`).
+    The logits `z` are either given (`weight` is None: `inputs` are logits `(..., V)`), or
+    computed from the last hidden states, `z = transform(h W^T + b)` (`inputs` are `(N, H)`, the
+    head's `weight` `(V, H)`). Autograd on the plain formula would keep the full logits (or a
+    full-size copy of `z / tau`, and for bf16 its float32 upcast) and a softmax of the same size
+    alive until backward. Here forward keeps the log-normaliser and the entropy of each position;
+    backward recomputes one chunk's `z` at a time and turns it into gradients for the inputs (and
+    W, b). Only chunk-sized buffers of V values exist at once, apart from the gradient of given
+    logits, which is as large as they are. The softmax runs in float32 (float64 for float64
+    inputs); the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
+    `cast_lm_head_to_fp32`).
     """
 
     @staticmethod
     def forward(
         ctx,
-        hidden,  # (N, H)
-        weight,  # (V, H)
+        inputs,  # (N, H) hidden states, or (..., V) logits when weight is None
+        weight,  # (V, H) or None
         bias,  # (V,) or None
-        token_ids,  # (N,)
+        token_ids,  # inputs.shape[:-1]
         temperature,
-        chunk_tokens,
+        chunk_rows,
         softcap,
         scale,
         upcast,
         with_entropy,
     ):
-        matmul_dtype = torch.float32 if upcast else torch.promote_types(hidden.dtype, weight.dtype)
+        if weight is None:
+            matmul_dtype = inputs.dtype  # no matmul: the dtype the logits come in
+        elif upcast:
+            matmul_dtype = torch.float32
+        else:
+            matmul_dtype = torch.promote_types(inputs.dtype, weight.dtype)
         compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
         transform = (temperature, softcap, scale, matmul_dtype, compute_dtype)
-        matmul_weight = weight.to(matmul_dtype)  # (V, H); a copy only with `upcast`
-        num_tokens = hidden.shape[0]
-        logps = hidden.new_empty(num_tokens, dtype=compute_dtype)  # (N,)
-        logsumexp = torch.empty_like(logps)  # (N,)
+        matmul_weight = None if weight is None else weight.to(matmul_dtype)  # a copy with upcast
+        logps = inputs.new_empty(inputs.shape[:-1], dtype=compute_dtype)  # (N,) or (B, T)
+        logsumexp = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            z = _chunk_logits(hidden[rows], matmul_weight, bias, *transform)  # (c, V)
-            chunk_lse = z.logsumexp(dim=-1)  # (c,)
+        for start in range(0, inputs.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            z = _chunk_logits(inputs[rows], matmul_weight, bias, *transform)  # (c, [T,] V)
+            chunk_lse = z.logsumexp(dim=-1)  # (c, [T])
             logps[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
             logsumexp[rows] = chunk_lse
             if with_entropy:
                 # H = logsumexp - sum_v p_v z_v
-                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, V)
+                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, [T,] V)
                 entropy[rows] = chunk_lse - probs.mul_(z).sum(dim=-1)
                 del probs
             del z  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, bias, token_ids, logsumexp, entropy)
+        ctx.save_for_backward(inputs, weight, bias, token_ids, logsumexp, entropy)
         ctx.transform = transform
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_rows = chunk_rows
         ctx.with_entropy = with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -92,31 +108,31 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
+        inputs, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        needs_inputs, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if (grad_logps is None and grad_entropy is None) or not (
-            needs_hidden or needs_weight or needs_bias
+            needs_inputs or needs_weight or needs_bias
         ):
             return (None,) * 10
         temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
-        matmul_weight = weight.to(matmul_dtype)  # (V, H)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
+        matmul_weight = None if weight is None else weight.to(matmul_dtype)  # (V, H)
+        grad_inputs = torch.empty_like(inputs) if needs_inputs else None  # (N, H) or (..., V)
         # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
-        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        accumulate = None if weight is None else torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if needs_weight else None
         grad_bias = torch.zeros_like(bias, dtype=accumulate) if needs_bias else None
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
-            chunk_hidden = hidden[rows].to(matmul_dtype)  # (c, H)
-            z = _chunk_logits(chunk_hidden, matmul_weight, bias, *ctx.transform)  # (c, V)
+        for start in range(0, inputs.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            chunk_inputs = inputs[rows] if weight is None else inputs[rows].to(matmul_dtype)
+            z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
             if softcap is not None:
                 # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
                 slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
-            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # (c, V), in place of z
-            probs = log_probs.exp()  # (c, V)
-            grad = log_probs  # (c, V): the gradient wrt z, built in place of log_probs
+            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # in place of z
+            probs = log_probs.exp()
+            grad = log_probs  # the gradient wrt z, built in place of log_probs
             if grad_entropy is not None:
                 # dH / dz_v = -p_v (log p_v + H)
                 grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
@@ -125,7 +141,7 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
                 grad.zero_()
             if grad_logps is not None:
                 # d log p_k / dz_v = 1[v = k] - p_v
-                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, 1)
+                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
                 grad.addcmul_(probs, chunk_grad, value=-1)
                 grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
             del probs
@@ -133,30 +149,97 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
             if softcap is not None:
                 grad.mul_(slope)
                 del slope
-            # grad (c, V) is now the gradient wrt the head's output
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
+            # grad is now the gradient wrt the given logits, or the head's output
+            if grad_inputs is not None:
+                if weight is None:
+                    grad_inputs[rows] = grad
+                else:
+                    grad_inputs[rows] = grad.to(matmul_dtype) @ matmul_weight  # (c, H)
             if grad_weight is not None:
                 # In float32 (not the bf16 matmul): rounding each chunk's product to bf16 before
                 # the sum would bias the weight's gradient.
-                grad_weight.addmm_(grad.t().to(accumulate), chunk_hidden.to(accumulate))  # (V, H)
+                grad_weight.addmm_(grad.t().to(accumulate), chunk_inputs.to(accumulate))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)  # (V,)
             del z, log_probs, grad  # one buffer, freed before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
+        return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
 
 
-def _chunk_logits(hidden, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
-    """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk of tokens, `(c, V)` in compute_dtype."""
-    bias = None if bias is None else bias.to(matmul_dtype)
-    z = F.linear(hidden.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
+def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
+    """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk, in compute_dtype; with `weight` None,
+    `inputs` are the logits and this is a copy of them divided by tau."""
+    if weight is None:
+        z = inputs.to(compute_dtype, copy=True)  # (c, [T,] V), never the caller's logits
+    else:
+        bias = None if bias is None else bias.to(matmul_dtype)
+        z = F.linear(inputs.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
     if scale != 1.0:
         z.mul_(scale)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     return z.div_(temperature)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 4,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each chosen token at the sampling temperature, `log softmax(z/tau)[o_t]`.
+
+    A selective log-softmax: the log-normaliser is computed per chunk of `chunk_size` batch rows
+    and the chosen logit is gathered, so no second vocabulary-sized tensor is built for the whole
+    batch, in the forward or the backward pass (`_SelectiveLogSoftmax`, the function
+    `head_token_logprobs` runs on the head's output). bf16/fp16 logits are upcast to float32 one
+    chunk at a time; the results are float32 (float64 for float64 logits).
+
+    Args:
+        logits (`torch.Tensor`):
+            Logits of shape `(B, T, V)`, already aligned with `token_ids` (the logits at position
+            t predict token t).
+        token_ids (`torch.Tensor`):
+            Chosen token ids of shape `(B, T)`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature; the logits are divided by it, so that the log-probabilities are
+            those of the distribution the completions were sampled from.
+        chunk_size (`int`, *optional*, defaults to `4`):
+            Number of batch rows processed at once. Peak extra memory is a few float32
+            buffers of `chunk_size * T * V` values each.
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the entropy (in nats) of the tempered distribution at each position.
+
+    Returns:
+        `torch.Tensor` of shape `(B, T)`, or a tuple `(logps, entropy)` of two such tensors when
+        `return_entropy=True`. Both are differentiable with respect to `logits`.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
+    if token_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_ids must have shape {tuple(logits.shape[:2])} to match logits, "
+            f"got {tuple(token_ids.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logps, entropy = _SelectiveLogSoftmax.apply(
+        logits,
+        None,  # the logits are given: no head
+        None,
+        token_ids.long(),
+        float(temperature),
+        int(chunk_size),  # batch rows of T positions each
+        None,  # no softcap
+        1.0,  # no scale
+        False,
+        return_entropy,
+    )
+    return (logps, entropy) if return_entropy else logps
 
 
 def head_token_logprobs(
@@ -173,7 +256,7 @@ def head_token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each chosen token, `log softmax(z / tau)[o_t]`, from the hidden states.
 
-    The same numbers as `objective.token_logprobs(head(hidden_states), token_ids, temperature)`,
+    The same numbers as `token_logprobs(head(hidden_states), token_ids, temperature)`,
     with `head(h) = c * tanh(s * (h W^T + b) / c)`, but the logits exist only `chunk_tokens`
     positions at a time, in the forward and in the backward pass.
 
@@ -224,7 +307,7 @@ def head_token_logprobs(
             f"states, got {tuple(token_ids.shape)}"
         )
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
-    logps, entropy = _ChunkedHeadLogSoftmax.apply(
+    logps, entropy = _SelectiveLogSoftmax.apply(
         hidden,
         weight,
         bias,
@@ -355,3 +438,193 @@ def capture_head_inputs(head: torch.nn.Linear):
             del head.forward
         else:
             head.forward = previous
+
+
+def _unwrapped_config(model):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def completion_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_ids,
+    temperature=1.0,
+    return_entropy=False,
+    logprob_chunk_tokens=None,
+    cast_lm_head_to_fp32=False,
+):
+    """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
+
+    The model runs its usual forward pass (through any DDP or PEFT wrapper), but its output head
+    only hands over the last hidden states of the completion positions; the log-probs come from
+    them in chunks of `logprob_chunk_tokens` positions (`logprobs.head_token_logprobs`), so the
+    `(B, T, V)` logits never exist at once. Where the head's weight cannot be used directly (LoRA
+    on the output layer, FSDP, DeepSpeed ZeRO-3), the model's head computes the logits of the
+    completion positions only (`logits_to_keep`).
+
+    Consecutive rows that share their prompt (the completions of one group) are packed into one
+    sequence that holds the prompt once (`_shared_prompt_logits`), where that costs less
+    (`packing_pays`): the same numbers as running every row in full, up to floating-point
+    rounding, for (G - 1) / G less work on the prompt tokens.
+
+    Args:
+        logprob_chunk_tokens (`int`, *optional*):
+            Completion positions whose logits exist at once; None for
+            `logprobs.DEFAULT_CHUNK_TOKENS` (1024). Peak extra memory is a few float32 buffers
+            of `logprob_chunk_tokens * V` values.
+        cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
+            Compute the logits in float32 from float32 hidden states and head weight, as TRL's
+            `cast_lm_head_to_fp32` (here without changing the model's parameters).
+    """
+    completion_length = completion_ids.shape[1]
+    head = output_head(model)
+    if head is None and cast_lm_head_to_fp32:
+        raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
+    outputs = _shared_prompt_logits(
+        model, input_ids, attention_mask, completion_length, head=head
+    )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+    if outputs is None:
+        outputs = _head_outputs(
+            model,
+            head,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=completion_length + 1,
+            use_cache=False,
+        )[:, :-1]  # position t predicts completion token t
+    if head is None:
+        return token_logprobs(
+            outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
+        )
+    softcap, scale = logit_transform(model)
+    return head_token_logprobs(
+        outputs,
+        head.weight,
+        completion_ids,
+        bias=head.bias,
+        temperature=temperature,
+        chunk_tokens=logprob_chunk_tokens,
+        return_entropy=return_entropy,
+        final_logit_softcapping=softcap,
+        logit_scale=scale,
+        upcast=cast_lm_head_to_fp32,
+    )
+
+
+def _head_outputs(model, head, **inputs):
+    """The logits of a forward pass, or with `head` (the model's output head) its inputs."""
+    if head is None:
+        return model(**inputs).logits
+    with capture_head_inputs(head) as captured:
+        model(**inputs)
+    if len(captured) != 1:
+        raise RuntimeError(f"expected the output head to run once, it ran {len(captured)} times")
+    return captured[0]
+
+
+def packing_pays(model, prompt_length: int, completion_length: int, group_size: int) -> bool:
+    """Whether one packed row of `P + G*T` tokens costs fewer FLOPs than `G` rows of `P + T`.
+
+    Per layer, a token costs `2 * (4 d^2 + 3 d m)` in its linear layers (hidden size d, MLP
+    width m) and `4 d L` in attention over a row of L tokens: the packed row's mask hides most
+    keys, but the attention kernel still computes them. So packing pays when the prompt is long
+    next to the completions, and loses when the completions are long. Measured on SmolLM2-135M
+    (float32, CPU, forward and backward, G = 8): P = 57, T = 64: 0.60x the time of the rows
+    (predicted 0.66x); P = 57, T = 256: 1.40x (predicted 1.24x, so not packed).
+    """
+    config = _unwrapped_config(model)
+    hidden = getattr(config, "hidden_size", None)
+    if not hidden:
+        return True
+    width = getattr(config, "intermediate_size", None) or 4 * hidden
+    linear = 2 * (4 * hidden * hidden + 3 * hidden * width)
+    packed = prompt_length + group_size * completion_length
+    row = prompt_length + completion_length
+    packed_cost = packed * (linear + 4 * hidden * packed)
+    rows_cost = group_size * row * (linear + 4 * hidden * row)
+    return packed_cost < rows_cost
+
+
+def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
+    """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
+    once, in one forward pass; None when it does not apply (no two consecutive rows share a
+    prompt, groups of unequal size, or an attention implementation that ignores custom masks)
+    or does not pay (`packing_pays`). With `head` (the model's output head), the hidden states
+    `(B, T, H)` that enter it instead of the logits.
+
+    Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
+    but its last token, then for every completion a block of `T` tokens (the last prompt token
+    and the completion but its last token). A 4D mask lets each block attend to the prompt and
+    causally to itself only, and position ids restart at the prompt's end in every block, so
+    each block computes exactly what its full row would; gradients of all the blocks add up in
+    the one copy of the prompt. Right padding needs no mask (no real token attends to it).
+    """
+    rows, total_length = input_ids.shape
+    prompt_length = total_length - completion_length
+    if prompt_length < 2 or rows < 2 or completion_length < 1:
+        return None
+    implementation = getattr(_unwrapped_config(model), "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return None
+    prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
+    same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
+        prompt_mask[1:] == prompt_mask[:-1]
+    ).all(1)  # (B - 1,)
+    if not bool(same_as_previous.all()):
+        starts = torch.cat([same_as_previous.new_ones(1), ~same_as_previous]).nonzero()
+        sizes = torch.diff(torch.cat([starts.squeeze(1), starts.new_tensor([rows])]))
+        if len(sizes) == rows or not bool((sizes == sizes[0]).all()):
+            return None
+    group_size = rows if bool(same_as_previous.all()) else int(sizes[0])
+    num_prompts = rows // group_size
+    # Columns that are padding in every row carry nothing; drop them.
+    padded = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())
+    if not packing_pays(model, prompt_length - padded, completion_length, group_size):
+        return None
+    first_rows = torch.arange(0, rows, group_size, device=input_ids.device)  # (U,)
+    prefix_ids = prompt_ids[first_rows, padded:-1]  # (U, Q)
+    prefix_mask = prompt_mask[first_rows, padded:-1].bool()  # (U, Q)
+    prefix_length = prefix_ids.shape[1]
+    if prefix_length == 0:
+        return None
+    blocks = input_ids[:, prompt_length - 1 : -1]  # (B, T)
+    packed_ids = torch.cat(
+        [prefix_ids, blocks.reshape(num_prompts, group_size * completion_length)], 1
+    )  # (U, L) with L = Q + n * T
+    length = packed_ids.shape[1]
+    position = torch.arange(length, device=input_ids.device)  # (L,)
+    block = torch.where(
+        position < prefix_length, -1, (position - prefix_length) // completion_length
+    )  # (L,): -1 for the prompt, else the completion's index in its group
+    position_ids = torch.where(
+        position < prefix_length,
+        position,
+        prefix_length + (position - prefix_length) % completion_length,
+    )  # (L,)
+    allowed = (position[None, :] <= position[:, None]) & (
+        (block[None, :] == -1) | (block[None, :] == block[:, None])
+    )  # (L, L): causal, and a block sees the prompt and itself
+    key_is_real = torch.cat(
+        [prefix_mask, prefix_mask.new_ones(num_prompts, length - prefix_length)], 1
+    )  # (U, L)
+    allowed = (allowed.unsqueeze(0) & key_is_real.unsqueeze(1)) | torch.eye(
+        length, dtype=torch.bool, device=input_ids.device
+    )  # (U, L, L); a padding query sees itself, so no row is empty
+    if implementation == "sdpa":
+        mask = allowed  # boolean, True where attention is allowed
+    else:  # eager attention adds the mask to the scores
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    outputs = _head_outputs(
+        model,
+        head,
+        input_ids=packed_ids,
+        attention_mask=mask.unsqueeze(1),  # (U, 1, L, L)
+        position_ids=(position_ids + padded).expand(num_prompts, -1),
+        use_cache=False,
+        logits_to_keep=group_size * completion_length,
+    )  # (U, n * T, V), or (U, n * T, H) with `head`
+    return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)

@@ -10,7 +10,8 @@ Equations implemented (numbers refer to the steps in `DESIGN.md`):
   `A_i = (r_i - mean_group(r)) / (std_group(r) + eps)` with `r_i = sum_f w_f r_{i,f}`. Dr. GRPO
   (Liu et al., 2025, "Understanding R1-Zero-Like Training") drops the std: `scale="none"`.
   `scale="batch"` divides by the std of the whole batch instead (as TRL's `scale_rewards="batch"`).
-* Step 4, per-token log-probabilities at the sampling temperature, `log softmax(z / tau)[o_t]`.
+* Step 4, the per-token log-probabilities `log softmax(z / tau)[o_t]` it takes as inputs, are
+  computed in `logprobs.py`.
 * Step 5-6, the clipped surrogate (the GRPO objective; PPO, Schulman et al., 2017):
   `-min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_k3`, with the decoupled
   clip range of DAPO (Yu et al., 2025) and the k3 KL estimator of the GRPO paper,
@@ -82,7 +83,6 @@ __all__ = [
     "kl_k3",
     "off_policy_mask",
     "policy_loss",
-    "token_logprobs",
     "weighted_rewards",
 ]
 
@@ -242,126 +242,6 @@ def _masked_mean_std(
     squares = torch.where(present, (values - mean) ** 2, 0.0).sum(dim=dim, keepdim=True)
     std = (squares / (count - 1).clamp(min=1)).sqrt()
     return mean, torch.where(count > 1, std, 0.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Log-probabilities (step 4)
-# ----------------------------------------------------------------------------------------------
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """`log_softmax(logits / tau).gather(token_ids)` (and entropy), chunked over batch rows.
-
-    Autograd on the plain formula would keep a full-size copy of `logits / tau` (and, for bf16,
-    of its float32 upcast) alive until backward. Here forward and backward both recompute the
-    softmax one chunk of rows at a time from the saved `logits`, so only one chunk-sized
-    float32 buffer exists at a time; the only full-size allocation is the gradient itself.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, temperature, chunk_size, with_entropy):
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        batch_size, seq_len, _ = logits.shape
-        logps = logits.new_empty((batch_size, seq_len), dtype=compute_dtype)  # (B, T)
-        logsumexp = torch.empty_like(logps)  # (B, T)
-        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for start in range(0, batch_size, chunk_size):
-            rows = slice(start, start + chunk_size)
-            scaled = logits[rows].to(compute_dtype) / temperature  # (b, T, V), chunk-sized
-            chunk_lse = scaled.logsumexp(dim=-1)  # (b, T)
-            chosen = scaled.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1)  # (b, T)
-            logps[rows] = chosen - chunk_lse
-            logsumexp[rows] = chunk_lse
-            if with_entropy:
-                # H = -sum_v p_v log p_v = logsumexp - sum_v p_v z_v
-                probs = (scaled - chunk_lse.unsqueeze(-1)).exp_()  # (b, T, V)
-                entropy[rows] = chunk_lse - (probs * scaled).sum(dim=-1)
-        ctx.save_for_backward(logits, token_ids, logsumexp, entropy)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.with_entropy = with_entropy
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        logits, token_ids, logsumexp, entropy = ctx.saved_tensors
-        if not ctx.with_entropy:
-            grad_entropy = None
-        if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None
-        compute_dtype = logsumexp.dtype
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        grad_logits = torch.empty_like(logits)  # (B, T, V)
-        for start in range(0, logits.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            scaled = logits[rows].to(compute_dtype) / temperature  # (b, T, V)
-            log_probs = scaled - logsumexp[rows].unsqueeze(-1)  # (b, T, V)
-            probs = log_probs.exp()  # (b, T, V)
-            grad = torch.zeros_like(scaled)  # (b, T, V), gradient wrt z / tau
-            if grad_logps is not None:
-                # d log p_k / d z_v = 1[v = k] - p_v
-                chunk_grad = grad_logps[rows].unsqueeze(-1)  # (b, T, 1)
-                grad -= probs * chunk_grad
-                grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
-            if grad_entropy is not None:
-                # dH / d z_v = -p_v (log p_v + H)
-                chunk_entropy = entropy[rows].unsqueeze(-1)  # (b, T, 1)
-                grad -= probs * (log_probs + chunk_entropy) * grad_entropy[rows].unsqueeze(-1)
-            grad_logits[rows] = grad / temperature
-        return grad_logits, None, None, None, None
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 4,
-    return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each chosen token at the sampling temperature, `log softmax(z/tau)[o_t]`.
-
-    A selective log-softmax: the log-normaliser is computed per chunk of `chunk_size` batch rows
-    and the chosen logit is gathered, so no second vocabulary-sized tensor is built for the whole
-    batch, in the forward or the backward pass (see `_SelectiveLogSoftmax`). bf16/fp16 logits are
-    upcast to float32 one chunk at a time; the results are float32 (float64 for float64 logits).
-
-    Args:
-        logits (`torch.Tensor`):
-            Logits of shape `(B, T, V)`, already aligned with `token_ids` (the logits at position
-            t predict token t).
-        token_ids (`torch.Tensor`):
-            Chosen token ids of shape `(B, T)`.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature; the logits are divided by it, so that the log-probabilities are
-            those of the distribution the completions were sampled from.
-        chunk_size (`int`, *optional*, defaults to `4`):
-            Number of batch rows processed at once. Peak extra memory is a few float32
-            buffers of `chunk_size * T * V` values each.
-        return_entropy (`bool`, *optional*, defaults to `False`):
-            Also return the entropy (in nats) of the tempered distribution at each position.
-
-    Returns:
-        `torch.Tensor` of shape `(B, T)`, or a tuple `(logps, entropy)` of two such tensors when
-        `return_entropy=True`. Both are differentiable with respect to `logits`.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
-    if token_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"token_ids must have shape {tuple(logits.shape[:2])} to match logits, "
-            f"got {tuple(token_ids.shape)}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    logps, entropy = _SelectiveLogSoftmax.apply(
-        logits, token_ids.long(), float(temperature), int(chunk_size), return_entropy
-    )
-    return (logps, entropy) if return_entropy else logps
 
 
 # ----------------------------------------------------------------------------------------------

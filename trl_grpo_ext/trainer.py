@@ -42,7 +42,10 @@ from .generation import check_prompt_dataset
 from .generation.engines import engine_model_folder, policy_for_generation
 from .generation.engines import lora_rank as max_lora_rank
 from .generation.producer import RolloutProducer
+from .generation.rollout import Rollout, eos_token_ids
+from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin, is_peft_model
+from .logprobs import completion_logprobs
 from .metrics import completions_table, print_completions, rollout_metrics
 from .models import load_policy, prepare_policy
 from .objective import (
@@ -55,7 +58,6 @@ from .objective import (
 )
 from .off_policy import behaviour_correction
 from .rewards.model import RewardModel, resolve_reward_models
-from .rollout import Rollout, completion_logprobs, eos_token_ids, generation_seed, seeded
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
 from .scoring import (
     call_reward_funcs,

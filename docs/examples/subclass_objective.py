@@ -4,7 +4,8 @@ import torch
 from toy_task import closeness, digit_sum_dataset, lora_config, tiny_policy
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
-from trl_grpo_ext.objective import policy_loss, token_logprobs
+from trl_grpo_ext.logprobs import token_logprobs
+from trl_grpo_ext.objective import policy_loss
 
 
 # --8<-- [start:subclass]

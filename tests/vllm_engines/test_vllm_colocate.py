@@ -16,8 +16,8 @@ from vllm_helpers import (  # noqa: E402
     lora_adapter,
 )
 
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers  # noqa: E402
 from trl_grpo_ext.generation.vllm_sampling import sampling_params  # noqa: E402
-from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

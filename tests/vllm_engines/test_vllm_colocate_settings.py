@@ -16,7 +16,7 @@ from trainer_helpers import digit_sums, logged, lora_config, odd_first_byte  # n
 from transformers import AutoModelForCausalLM, AutoTokenizer, IntervalStrategy  # noqa: E402
 from vllm_helpers import config  # noqa: E402
 
-from trl_grpo_ext.rollout import generate_with_transformers  # noqa: E402
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

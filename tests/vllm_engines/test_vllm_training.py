@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 
 from trl_grpo_ext.checkpoints import last_complete_checkpoint  # noqa: E402
 from trl_grpo_ext.evaluation import evaluate_on_processes  # noqa: E402
-from trl_grpo_ext.generation.engines import TransformersEngine, in_eval_mode  # noqa: E402
+from trl_grpo_ext.generation.engines import in_eval_mode  # noqa: E402
+from trl_grpo_ext.generation.transformers_engine import TransformersEngine  # noqa: E402
 from trl_grpo_ext.generation.vllm_server import VLLMServerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,8 @@ import torch
 
 from trl_grpo_ext.generation import sampling_config
 from trl_grpo_ext.generation.sampling import end_at_stop_strings
-from trl_grpo_ext.rollout import completion_logprobs, generate_with_transformers
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
+from trl_grpo_ext.logprobs import completion_logprobs
 
 MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
 

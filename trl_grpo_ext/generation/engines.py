@@ -8,17 +8,21 @@ An engine samples G completions for each of B left-padded prompts:
 of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)` and `(B*G, T)`, groups in consecutive rows.
 `generation_config` is the complete `GenerationConfig` of `sampling.sampling_config`.
 
-- `TransformersEngine`: the policy's own `generate`, in this process. Its behaviour log-probs are
-  None: the sampling policy is the trained one, whose log-probs the trainer computes exactly.
+- `TransformersEngine` (`transformers_engine.py`): the policy's own `generate`, in this
+  process. Its behaviour log-probs are None: the sampling policy is the trained one, whose
+  log-probs the trainer computes exactly.
 - `VLLMColocateEngine` (`vllm_colocate.py`) and `VLLMServerEngine` (`vllm_server.py`): vLLM
   in this process or behind an unmodified `vllm serve`. They hold their own copy of the weights
   and return the log-probs of the sampled tokens, which the trainer corrects for (TRL's
   `vllm_importance_sampling_*`).
+- `ProcessEngine` (`process_worker.py`): transformers in a process of its own with its own copy
+  of the model, the asynchronous worker without vLLM; it returns the sampled tokens' log-probs.
 
-`WeightPublisher` brings an engine's copy up to date: under LoRA it saves the adapter (a folder
-per version) and has the engine load it as a new adapter, with no merge into the base weights;
-in full fine-tuning it hands the engine all weights (colocated only). `EngineWorker` runs an
-engine as the rollout worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
+`WeightPublisher` brings a vLLM engine's copy up to date: under LoRA it saves the adapter (a
+folder per version) and has the engine load it as a new adapter, with no merge into the base
+weights; in full fine-tuning it hands the engine all weights (colocated only). The process
+engine's is `process_worker.ParameterPublisher`. `EngineWorker` runs an engine as the rollout
+worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
 """
 
 from __future__ import annotations
@@ -31,43 +35,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..logprobs import float32_head
-from ..rollout import generate_with_transformers, seeded
-
-
-class TransformersEngine:
-    """`generate` of the policy, in this process.
-
-    Args:
-        policy (`Callable[[], ContextManager]`): enters a block in which it yields the model to
-            generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
-        cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
-            (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
-        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
-    """
-
-    holds_own_weights = False
-
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
-        self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
-        self.tokenizer = tokenizer
-
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
-        with self.policy() as model, contextlib.ExitStack() as stack:
-            if self.cast_lm_head_to_fp32:
-                stack.enter_context(float32_head(model))
-            with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
-                prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model,
-                    prompt_ids,
-                    prompt_mask,
-                    generation_config=generation_config,
-                    tokenizer=self.tokenizer,
-                )
-        return prompt_ids, prompt_mask, completion_ids, None
-
-    def close(self):
-        pass
+from .transformers_engine import TransformersEngine
 
 
 class WeightPublisher:
@@ -230,7 +198,7 @@ class EngineWorker:
         self._futures[index] = self._thread.submit(self._generate, index, prompts, seed)
 
     def _generate(self, index, prompts, seed):
-        from ..async_rollout import GeneratedBatch
+        from .async_rollout import GeneratedBatch
 
         self._raise_failure()
         version = self.publisher.version

@@ -8,7 +8,9 @@ It holds everything between the prompts of a generation batch and the sampled to
 - the engine (`engines.build_engine`: transformers, vLLM colocated or a vLLM server) and, for an
   engine with its own copy of the weights, the `WeightPublisher` that keeps it current;
 - in asynchronous mode (`max_staleness=k`), the `RolloutPipeline` with its rollout worker and the
-  prompts of the next k steps, each batch encoded once, as it enters the lookahead.
+  prompts of the next k steps, each batch encoded once, as it enters the lookahead. The worker is
+  an `EngineWorker` over the engine when it holds its own weights (vLLM), else over a
+  `ProcessEngine` (transformers in a process of its own, `process_worker.py`).
 
 Synchronous mode samples in the training process (`generate`), seeded per generation batch by
 the trainer. The asynchronous worker samples the batches of the next k steps while the trainer
@@ -25,12 +27,13 @@ import weakref
 
 import torch
 
-from ..async_rollout import ProcessRolloutWorker, RolloutPipeline
-from ..checkpoints import ResumableWorker
-from ..rollout import Rollout, completion_mask_from_ids, generation_seed, pad_rollout
-from .engines import EngineWorker, TransformersEngine, WeightPublisher, build_engine
+from .async_rollout import ResumableWorker, RolloutPipeline
+from .engines import EngineWorker, WeightPublisher, build_engine
+from .process_worker import ParameterPublisher, ProcessEngine
 from .prompts import PromptEncoder, is_conversational
+from .rollout import Rollout, completion_mask_from_ids, pad_rollout
 from .sampling import end_at_stop_strings, sampling_config_from_args
+from .transformers_engine import TransformersEngine, generation_seed
 
 
 class RolloutProducer:
@@ -70,6 +73,7 @@ class RolloutProducer:
             self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
             weakref.finalize(self, self.publisher.close)
         self.pipeline: RolloutPipeline | None = None
+        self._process_engine: ProcessEngine | None = None  # the asynchronous worker's, if any
         self.restored: dict | None = None  # in-flight batches of a checkpoint, for the worker
         self.staleness_counts: dict[int, int] = {}
         self._lookahead: list[list[dict]] = []  # prompt batches of the coming steps
@@ -201,7 +205,7 @@ class RolloutProducer:
         if round_index > 0:
             extra = -(index * (args.max_resample_rounds + 1) + round_index)  # never a step
             batch, staleness = pipeline.generate_now(
-                extra, version, self._trainable_weights, self.encode(rows), seed
+                extra, version, _snapshotted_by_the_worker, self.encode(rows), seed
             )
         else:
             self._upcoming = {i: v for i, v in self._upcoming.items() if i >= index}
@@ -210,7 +214,7 @@ class RolloutProducer:
                 if index + ahead not in self._upcoming:
                     batch_seed = generation_seed(args.seed, args.process_index, index + ahead)
                     self._upcoming[index + ahead] = (self.encode(batch_rows), batch_seed)
-            batch, staleness = pipeline.consume(index, self._trainable_weights, self._upcoming)
+            batch, staleness = pipeline.consume(index, _snapshotted_by_the_worker, self._upcoming)
         self.staleness_counts[staleness] = self.staleness_counts.get(staleness, 0) + 1
         rollout = self.build_rollout(
             rows,
@@ -233,6 +237,9 @@ class RolloutProducer:
             self.pipeline.close()
             self.pipeline = None
             self._engine_worker = None
+            if self._process_engine is not None:
+                self._process_engine.close()
+                self._process_engine = None
             if self._threads_before:
                 torch.set_num_threads(self._threads_before)
                 self._threads_before = None
@@ -246,17 +253,12 @@ class RolloutProducer:
             self.publisher.close()
         self.engine.close()
 
-    def _trainable_weights(self) -> dict[str, torch.Tensor]:
-        """What the rollout worker needs to catch up: the adapter under LoRA, else all weights."""
-        return {n: p.detach() for n, p in self.model().named_parameters() if p.requires_grad}
-
     def _pipeline(self) -> RolloutPipeline:
         if self.pipeline is not None:
             return self.pipeline
         if self.publisher is not None:
             # The engine generates while the trainer trains; weights go to it as published.
-            worker = EngineWorker(self.engine, self.publisher, self.generation_config)
-            self._engine_worker = worker
+            engine, publisher = self.engine, self.publisher
         else:
             model = self.model()
             if model.device.type != "cpu":
@@ -268,17 +270,28 @@ class RolloutProducer:
                     "vllm_mode='server').",
                     stacklevel=3,
                 )
+            # transformers in a process of its own, sent the trained parameters of each version.
             threads = self.args.rollout_worker_threads
-            worker = ProcessRolloutWorker(model, self.generation_config, threads=threads)
+            engine = self._process_engine = ProcessEngine(model, threads=threads)
+            publisher = ParameterPublisher(engine, self.model)
             if model.device.type == "cpu":
                 # Generation and training overlap only if they do not fight over the cores.
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, self._threads_before - threads))
+        worker = EngineWorker(engine, publisher, self.generation_config)
+        if engine is self.engine:
+            self._engine_worker = worker  # it owns the engine: evaluations sample on its thread
         # Its in-flight batches go into checkpoints (`in_flight`).
         worker = ResumableWorker(worker, restored=self.restored)
         self.restored = None
         self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
         return self.pipeline
+
+
+def _snapshotted_by_the_worker():
+    """The weights `RolloutPipeline` would send: None, as the `EngineWorker`'s publisher takes
+    its own snapshot of each version."""
+    return None
 
 
 class _OnWorkerThread:

@@ -1,7 +1,7 @@
 """A `vllm.LLM` in the training process: the colocated generation engine.
 
 `VLLMColocateEngine.generate` takes the left-padded prompts and the `GenerationConfig` of
-`generation.sampling_config` and returns the tensors of `rollout.generate_with_transformers(...,
+`generation.sampling_config` and returns the tensors of `generate_with_transformers(...,
 return_logprobs=True)`. New weights reach the engine as a LoRA adapter version
 (`publish_adapter`, a `LoRARequest` per version, the base weights never merged) or, under full
 fine-tuning, as named tensors (`load_weights`).
@@ -215,7 +215,7 @@ class VLLMColocateEngine:
 
         Returns:
             `(prompt_ids, prompt_mask, completion_ids, logps)`, as
-            `rollout.generate_with_transformers(..., return_logprobs=True)`.
+            `generate_with_transformers(..., return_logprobs=True)`.
         """
         group_size = generation_config.num_return_sequences or 1
         prompts = unpadded_prompts(prompt_ids, prompt_mask)

@@ -1,5 +1,5 @@
 """What the vLLM engines share: one `GenerationConfig` turned into vLLM's sampling settings, and
-vLLM's per-sequence outputs turned back into the tensors of `rollout.generate_with_transformers`.
+vLLM's per-sequence outputs turned back into the tensors of `generate_with_transformers`.
 
 The sampling settings are the `GenerationConfig` of `generation.sampling_config`, field for field,
 so the `transformers` engine and vLLM sample from the same distribution. A field vLLM has no

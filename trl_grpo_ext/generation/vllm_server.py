@@ -7,7 +7,7 @@ The server is started by the user, on this machine or another one::
 
 `VLLMServerEngine.generate` sends each prompt's token ids to `/v1/completions` (with `n`, a seed,
 `logprobs=1`, `return_token_ids`, `return_tokens_as_token_ids`) and returns the tensors of
-`rollout.generate_with_transformers(..., return_logprobs=True)`. New LoRA weights are published as
+`generate_with_transformers(..., return_logprobs=True)`. New LoRA weights are published as
 adapter versions (`/v1/load_lora_adapter`, the server started with `--enable-lora` and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); the adapter folder must be readable by the server under
 the same path. A server has no way to take full weights: full fine-tuning needs the colocated
@@ -207,7 +207,7 @@ class VLLMServerEngine:
 
         Returns:
             `(prompt_ids, prompt_mask, completion_ids, logps)`, as
-            `rollout.generate_with_transformers(..., return_logprobs=True)`.
+            `generate_with_transformers(..., return_logprobs=True)`.
         """
         group_size = generation_config.num_return_sequences or 1
         prompts = unpadded_prompts(prompt_ids, prompt_mask)

@@ -1,0 +1,89 @@
+"""The package's layering (DESIGN.md, "Generation"): nothing in `trl_grpo_ext/generation/`
+imports the training side (trainer, checkpoints, batches, hub, objective, ...); what training
+needs from generation, it asks for. The one module both sides share is `logprobs.py`, the
+log-prob math, which imports neither."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trl_grpo_ext"
+GENERATION_MAY_IMPORT = ("trl_grpo_ext.generation", "trl_grpo_ext.logprobs")
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The absolute names of the modules that `source` (the module `module`) imports, at any
+    depth (imports inside functions too); `from X import name` counts as importing `X.name`
+    when X is the package itself, as that may be a submodule."""
+    package = module if is_package else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            names.add(name)
+            if node.module is None:  # from . import x, from .. import x
+                names.update(f"{name}.{alias.name}" for alias in node.names)
+    return names
+
+
+def outside(names: set[str], allowed: tuple[str, ...]) -> set[str]:
+    """The package's modules among `names` that are not under one of `allowed`."""
+    ours = {n for n in names if n == "trl_grpo_ext" or n.startswith("trl_grpo_ext.")}
+    return {n for n in ours if not any(n == a or n.startswith(a + ".") for a in allowed)}
+
+
+def module_files(folder: Path):
+    for path in sorted(folder.glob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        is_package = path.name == "__init__.py"
+        module = ".".join(parts[:-1] if is_package else parts)
+        yield path, module, is_package
+
+
+@pytest.mark.parametrize(
+    "path, module, is_package",
+    list(module_files(PACKAGE / "generation")),
+    ids=lambda value: value.name if isinstance(value, Path) else None,
+)
+def test_generation_imports_nothing_from_the_training_side(path, module, is_package):
+    names = imported_modules(path.read_text(encoding="utf-8"), module, is_package)
+    assert not outside(names, GENERATION_MAY_IMPORT), (
+        f"{path.relative_to(PACKAGE.parent)} imports {sorted(outside(names, GENERATION_MAY_IMPORT))}"
+        ": generation must not depend on training-side modules; move what it needs into "
+        "generation/ (or pass it in), and let the training side import it from there."
+    )
+
+
+def test_logprobs_imports_nothing_from_the_package():
+    names = imported_modules((PACKAGE / "logprobs.py").read_text(), "trl_grpo_ext.logprobs")
+    assert not outside(names, ())
+
+
+@pytest.mark.parametrize(
+    "line, found",
+    [
+        ("from ..checkpoints import ResumableWorker", "trl_grpo_ext.checkpoints"),
+        ("from .. import trainer", "trl_grpo_ext.trainer"),
+        ("from .. import GroupRelativeTrainer", "trl_grpo_ext"),  # its __init__ imports the trainer
+        ("import trl_grpo_ext.batches", "trl_grpo_ext.batches"),
+        ("def f():\n    from ..objective import policy_loss", "trl_grpo_ext.objective"),
+    ],
+)
+def test_the_walk_finds_training_side_imports(line, found):
+    names = imported_modules(line, "trl_grpo_ext.generation.engines")
+    assert found in outside(names, GENERATION_MAY_IMPORT)
+
+
+def test_the_walk_allows_generation_and_logprobs():
+    source = "from .rollout import Rollout\nfrom ..logprobs import float32_head\nimport torch"
+    names = imported_modules(source, "trl_grpo_ext.generation.engines")
+    assert names == {"trl_grpo_ext.generation.rollout", "trl_grpo_ext.logprobs", "torch"}
+    assert not outside(names, GENERATION_MAY_IMPORT)

@@ -1,0 +1,112 @@
+"""The local process engine (`generation.process_worker`): `transformers` generation in a process
+of its own, behind the same engine interface as vLLM, against the same sampling in this process."""
+
+import pytest
+import torch
+
+from trl_grpo_ext.generation import PromptEncoder, sampling_config
+from trl_grpo_ext.generation.process_worker import ParameterPublisher, ProcessEngine
+from trl_grpo_ext.generation.rollout import completion_mask_from_ids
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+PROMPTS = ["1+2=", "10+17=", "3+3=?"]
+
+
+@pytest.fixture
+def setup():
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    config = sampling_config(
+        max_new_tokens=5,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=3,
+        temperature=0.7,
+    )
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    # One thread, as the trainer starts it: OpenMP's thread pool does not survive a fork.
+    engine = ProcessEngine(model, threads=1)
+    yield model.eval(), config, prompts, engine
+    engine.close()
+
+
+def in_this_process(model, prompts, config, seed):
+    """The reference: the same sampling here, on one thread as the engine's process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with seeded(seed):
+            prompt_ids, prompt_mask, completion_ids, logps = generate_with_transformers(
+                model, *prompts, generation_config=config, return_logprobs=True
+            )
+    finally:
+        torch.set_num_threads(threads)
+    mask, _ = completion_mask_from_ids(completion_ids, config.eos_token_id)
+    return prompt_ids, prompt_mask, completion_ids, logps * mask
+
+
+def assert_same_batch(got, want):
+    for got_ids, want_ids in zip(got[:3], want[:3]):
+        assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got[3], want[3])
+
+
+def test_samples_what_transformers_samples_here_with_the_same_seed(setup):
+    model, config, prompts, engine = setup
+    got = engine.generate(*prompts, config, seed=7)
+    assert got[2].shape[0] == len(PROMPTS) * 3
+    assert_same_batch(got, in_this_process(model, prompts, config, seed=7))
+
+
+def test_published_parameters_are_the_ones_it_samples_with(setup):
+    model, config, prompts, engine = setup
+    other, _ = tiny_model_and_tokenizer(seed=1)
+    other.eval()
+    before = engine.generate(*prompts, config, seed=3)
+    publisher = ParameterPublisher(engine, lambda: other)
+    publisher.publish(1)
+    assert publisher.version == 1
+    after = engine.generate(*prompts, config, seed=3)
+    assert not torch.equal(before[3], after[3])  # the weights did change
+    assert_same_batch(after, in_this_process(other, prompts, config, seed=3))
+
+
+def test_a_snapshot_is_the_weights_when_it_was_taken(setup):
+    model, config, prompts, engine = setup
+    publisher = ParameterPublisher(engine, lambda: model)
+    snapshot = publisher.snapshot(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # the next optimizer step, before the worker loads version 1
+    publisher.load(snapshot, 1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.sub_(1.0)
+    assert_same_batch(
+        engine.generate(*prompts, config, seed=5), in_this_process(model, prompts, config, 5)
+    )
+
+
+def test_a_failure_in_the_process_is_raised_here_and_the_engine_goes_on(setup):
+    model, config, prompts, engine = setup
+    prompt_ids, prompt_mask = prompts
+    out_of_vocabulary = torch.full_like(prompt_ids, model.config.vocab_size + 5)
+    with pytest.raises(RuntimeError, match="rollout worker failed:(.|\n)*IndexError"):
+        engine.generate(out_of_vocabulary, prompt_mask, config, seed=1)
+    assert_same_batch(
+        engine.generate(*prompts, config, seed=2), in_this_process(model, prompts, config, 2)
+    )
+
+
+def test_a_dead_process_is_an_error_not_a_hang(setup):
+    _, config, prompts, engine = setup
+    engine._process.kill()
+    engine._process.join(timeout=10)
+    with pytest.raises(RuntimeError, match="rollout worker died"):
+        engine.generate(*prompts, config, seed=1)
+
+
+def test_close_stops_the_process(setup):
+    engine = setup[3]
+    engine.close()
+    assert not engine._process.is_alive()

@@ -1,0 +1,159 @@
+"""`ProcessEngine`: `transformers` generation in a separate process with its own copy of the
+model, so that generation and training overlap on separate CPU cores (or a second GPU).
+
+It is an engine like the others (`engines.py`): `generate` samples one batch in the process and
+returns the log-probs of the sampled tokens from the sampling pass's own logits (as a vLLM engine
+reports them); `load_weights` sends it new weights. `ParameterPublisher` keeps it on the trainer's
+weights: the trained parameters (the adapter's under LoRA), copied to the CPU when a version is
+snapshotted. The asynchronous pipeline runs it through `engines.EngineWorker`, as it runs a vLLM
+engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import sys
+import threading
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from .rollout import completion_mask_from_ids
+from .transformers_engine import generate_with_transformers, seeded
+
+
+def sample_batch(model, prompts, generation_config, seed):
+    """Samples one generation batch and the behaviour log-probs of its tokens (from the
+    sampling pass's own logits, as a server backend such as vLLM reports them)."""
+    with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
+        prompt_ids, prompt_mask, completion_ids, behaviour_logps = generate_with_transformers(
+            model, *prompts, generation_config=generation_config, return_logprobs=True
+        )
+    eos = generation_config.eos_token_id
+    completion_mask, _ = completion_mask_from_ids(
+        completion_ids, eos if isinstance(eos, list) else [eos]
+    )
+    return prompt_ids, prompt_mask, completion_ids, behaviour_logps * completion_mask
+
+
+def _worker_main(model, threads, requests, results):
+    torch.set_num_threads(threads)
+    model.eval()
+    parameters = dict(model.named_parameters())
+    while True:
+        message = requests.get()
+        if message[0] == "stop":
+            return
+        if message[0] == "weights":
+            _, weights = message
+            with torch.no_grad():
+                for name, value in weights.items():
+                    parameters[name].copy_(value)
+            continue
+        _, prompts, generation_config, seed = message
+        try:
+            results.put(sample_batch(model, prompts, generation_config, seed))
+        except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
+            results.put(traceback.format_exc())
+
+
+class ProcessEngine:
+    """`transformers` generation in a separate process, with its own copy of the model (on the
+    CPU). Requests are handled in the order they are sent.
+
+    Args:
+        model (`nn.Module`): copied (to the CPU) when the engine starts; a `PeftModel` under LoRA.
+        threads (`int`, *optional*, defaults to 1): CPU threads of the process
+            (`rollout_worker_threads`).
+    """
+
+    holds_own_weights = True
+
+    def __init__(self, model, threads: int = 1):
+        # fork needs no importable __main__ and shares the copied model without pickling; CUDA
+        # cannot cross a fork, so a process that initialised it spawns instead (which needs the
+        # usual `if __name__ == "__main__":` guard in the user's script).
+        use_fork = sys.platform == "linux" and not torch.cuda.is_initialized()
+        context = mp.get_context("fork" if use_fork else "spawn")
+        self._requests, self._results = context.Queue(), context.Queue()
+        worker_model = (
+            copy.deepcopy(model).cpu() if model.device.type != "cpu" else copy.deepcopy(model)
+        )
+        self._process = context.Process(
+            target=_worker_main,
+            args=(worker_model, threads, self._requests, self._results),
+            daemon=True,
+        )
+        self._process.start()
+        self._lock = threading.Lock()  # one request in flight: results come back in order
+
+    def load_weights(self, named_tensors) -> None:
+        """Replaces the process's parameters of these names (the tensors are sent as they are:
+        copies that nothing changes later, as `ParameterPublisher.snapshot` makes)."""
+        self._requests.put(("weights", dict(named_tensors)))
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        """Samples in the process with the weights loaded last.
+
+        Returns:
+            `(prompt_ids, prompt_mask, completion_ids, logps)`, as
+            `generate_with_transformers(..., return_logprobs=True)`, with the log-probs 0 after
+            each completion's end.
+        """
+        with self._lock:
+            self._requests.put(("generate", (prompt_ids, prompt_mask), generation_config, seed))
+            while True:
+                try:
+                    payload = self._results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    if not self._process.is_alive():
+                        raise RuntimeError(
+                            f"The rollout worker died (exit code {self._process.exitcode})."
+                        ) from None
+        if isinstance(payload, str):
+            raise RuntimeError(f"The rollout worker failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._requests.put(("stop",))
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.terminate()
+
+
+class ParameterPublisher:
+    """Publishes the trained parameters (those with `requires_grad`: the adapter's under LoRA) to
+    a `ProcessEngine`, with the interface of `engines.WeightPublisher`: `snapshot` copies them to
+    the CPU on the trainer's thread, `load` sends that copy to the engine.
+
+    Args:
+        engine (`ProcessEngine`): the engine to keep current.
+        model (`Callable[[], nn.Module]`): returns the unwrapped model being trained.
+    """
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+        self.version: int | None = None  # the version the engine has
+
+    def publish(self, version: int) -> None:
+        if version != self.version:
+            self.load(self.snapshot(version), version)
+
+    def snapshot(self, version: int) -> dict:
+        return {
+            name: parameter.detach().cpu().clone()
+            for name, parameter in self.model().named_parameters()
+            if parameter.requires_grad
+        }
+
+    def load(self, weights, version: int) -> None:
+        self.engine.load_weights(weights)
+        self.version = version
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,160 @@
+"""Rollouts: G sampled completions per prompt, as tensors and text.
+
+A `Rollout` holds one generation batch: for B prompts, B*G rows, the G completions of a prompt
+in consecutive rows (a group). Prompts are left-padded, completions right-padded; the completion
+mask covers each completion up to and including its first end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """One generation batch of `num_prompts * group_size` completions.
+
+    Attributes:
+        prompts (`list`): the prompt of each completion (string or message list), repeated per group.
+        completions (`list`): decoded completions, strings or `[{"role": "assistant", ...}]`.
+        prompt_ids (`torch.LongTensor`): left-padded prompt tokens, shape `(N, P)`.
+        prompt_mask (`torch.LongTensor`): 1 on prompt tokens, shape `(N, P)`.
+        completion_ids (`torch.LongTensor`): right-padded completion tokens, shape `(N, T)`.
+        completion_mask (`torch.LongTensor`): 1 up to and including the first eos, shape
+            `(N, T)`.
+        is_truncated (`torch.BoolTensor` of shape `(N,)`): completions that never emitted eos.
+        columns (`dict[str, list]`): the other dataset columns, repeated per completion.
+        group_size (`int`): completions per prompt.
+        behaviour_logps (`torch.Tensor` of shape `(N, T)`, *optional*): log-probs of the sampled
+            tokens under the policy that generated them, when known.
+        policy_version (`int`): optimizer step of the weights that generated the batch.
+    """
+
+    prompts: list
+    completions: list
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    is_truncated: torch.Tensor
+    group_size: int
+    columns: dict[str, list] = field(default_factory=dict)
+    behaviour_logps: torch.Tensor | None = None
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+    def select_groups(self, groups: list[int]) -> Rollout:
+        """A rollout holding only the given groups (indices of prompts), in that order."""
+        size = self.group_size
+        rows = [group * size + member for group in groups for member in range(size)]
+        index = torch.tensor(rows, dtype=torch.long)
+
+        def pick(values):
+            return [values[row] for row in rows]
+
+        return Rollout(
+            prompts=pick(self.prompts),
+            completions=pick(self.completions),
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            is_truncated=self.is_truncated[index],
+            group_size=size,
+            columns={key: pick(values) for key, values in self.columns.items()},
+            behaviour_logps=None if self.behaviour_logps is None else self.behaviour_logps[index],
+            policy_version=self.policy_version,
+        )
+
+    def completion_id_lists(self) -> list[list[int]]:
+        """Token ids of each completion without padding (TRL's `completion_ids` argument)."""
+        lengths = self.completion_lengths.tolist()
+        return [ids[:length] for ids, length in zip(self.completion_ids.tolist(), lengths)]
+
+
+def completion_mask_from_ids(
+    completion_ids: torch.Tensor, eos_token_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask up to and including the first eos of each row, and which rows have no eos.
+
+    Works when the pad token equals eos: only the first eos counts, the padding after it does not.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    length = completion_ids.shape[1]
+    has_eos = is_eos.any(dim=1)  # (N,)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), length)  # (N,)
+    positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)  # (1, T)
+    completion_mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, T)
+    return completion_mask, ~has_eos
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """All token ids that end a completion: the tokenizer's eos and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    ids.discard(None)
+    return sorted(ids)
+
+
+def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    missing = width - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    filler = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([filler, tensor] if left else [tensor, filler], dim=1)
+
+
+def pad_rollout(rollout: Rollout, multiple: int, pad_token_id: int) -> Rollout:
+    """Pads prompts (left) and completions (right) to a multiple of `multiple` tokens
+    (`pad_to_multiple_of`: compilers that specialise on shapes then see few distinct ones)."""
+
+    def width(tensor):
+        return -(-tensor.shape[1] // multiple) * multiple
+
+    prompt_width, completion_width = width(rollout.prompt_ids), width(rollout.completion_ids)
+    rollout.prompt_ids = _pad_to(rollout.prompt_ids, prompt_width, pad_token_id, left=True)
+    rollout.prompt_mask = _pad_to(rollout.prompt_mask, prompt_width, 0, left=True)
+    rollout.completion_ids = _pad_to(
+        rollout.completion_ids, completion_width, pad_token_id, left=False
+    )
+    rollout.completion_mask = _pad_to(rollout.completion_mask, completion_width, 0, left=False)
+    if rollout.behaviour_logps is not None:
+        rollout.behaviour_logps = _pad_to(rollout.behaviour_logps, completion_width, 0.0, False)
+    return rollout
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Joins rollouts of the same group size, re-padding prompts (left) and completions (right)."""
+    first = rollouts[0]
+    prompt_width = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def stack(name, width, value, left):
+        return torch.cat([_pad_to(getattr(r, name), width, value, left) for r in rollouts])
+
+    behaviour = None
+    if all(r.behaviour_logps is not None for r in rollouts):
+        behaviour = stack("behaviour_logps", completion_width, 0.0, left=False)
+    return Rollout(
+        prompts=[p for r in rollouts for p in r.prompts],
+        completions=[c for r in rollouts for c in r.completions],
+        prompt_ids=stack("prompt_ids", prompt_width, pad_token_id, left=True),
+        prompt_mask=stack("prompt_mask", prompt_width, 0, left=True),
+        completion_ids=stack("completion_ids", completion_width, pad_token_id, left=False),
+        completion_mask=stack("completion_mask", completion_width, 0, left=False),
+        is_truncated=torch.cat([r.is_truncated for r in rollouts]),
+        group_size=first.group_size,
+        columns={key: [v for r in rollouts for v in r.columns[key]] for key in first.columns},
+        behaviour_logps=behaviour,
+        policy_version=min(r.policy_version for r in rollouts),
+    )

@@ -1,0 +1,224 @@
+"""The `transformers` engine: the policy's own `generate`, in this process.
+
+`generate_with_transformers` samples a group of completions per prompt with batched `generate`
+calls (each prompt encoded once), optionally with the log-probs of the sampled tokens from the
+sampling pass's own logits. `TransformersEngine` puts it behind the engine interface of
+`engines.py`; `seeded` and `generation_seed` give each generation batch a seed of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import GenerationConfig
+
+from ..logprobs import float32_head, token_logprobs
+from .sampling import isolated_from_checkpoint
+
+
+@torch.no_grad()
+def generate_with_transformers(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    generation_config: GenerationConfig,
+    return_logprobs: bool = False,
+    tokenizer=None,
+) -> tuple[torch.Tensor, ...]:
+    """Samples a group of completions per prompt with batched `generate` calls.
+
+    `generation_config` is used exactly as given: the model's own `generation_config` is hidden
+    meanwhile (`generation.isolated_from_checkpoint`), so nothing is filled in from the checkpoint.
+
+    Each prompt is run through the model once (`_generate_groups`): its first token is sampled
+    G times from that one pass, and the rest of the group continues from the prompt's cache
+    repeated G times. The number of forward passes is that of one `generate` call that expands
+    each prompt into its group first, which encodes every prompt G times.
+
+    With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
+    policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
+    top-k/top-p), as the trainer computes them: no second forward pass. The raw logits of all
+    steps are held until the end, `T x B*G x V` float32 values.
+
+    Args:
+        prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`
+            (`generation.PromptEncoder.encode`).
+        tokenizer (*optional*): lets `generate` stop at `generation_config.stop_strings`;
+            without it sampling goes on past them, and the caller ends each completion at its
+            stop (`generation.end_at_stop_strings`).
+
+    Returns:
+        `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
+        `(B*G, T)`, and the log-probs `(B*G, T)` when `return_logprobs=True` (meaningful up to
+        each completion's first eos).
+    """
+    encoded = {"input_ids": prompt_ids, "attention_mask": prompt_mask}
+    encoded = {key: value.to(model.device) for key, value in encoded.items()}  # (B, P)
+    if generation_config.stop_strings:
+        if tokenizer is None:  # `generate` cannot match strings without it
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.stop_strings = None
+        else:
+            encoded["tokenizer"] = tokenizer
+    with isolated_from_checkpoint(model):
+        return _generate(model, encoded, generation_config, return_logprobs)
+
+
+def _generate(model, encoded, generation_config, return_logprobs):
+    group_size = generation_config.num_return_sequences or 1
+    prompt_length = encoded["input_ids"].shape[1]
+    prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
+    if return_logprobs:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.output_logits = True
+        generation_config.return_dict_in_generate = True
+    generated = None
+    if group_size > 1 and generation_config.do_sample:
+        generated = _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
+    if generated is None:
+        output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
+        if return_logprobs:
+            generated = output.sequences[:, prompt_length:], output.logits
+        else:
+            generated = output[:, prompt_length:], None
+    completion_ids, step_logits = generated
+    if not return_logprobs:
+        return prompt_ids, prompt_mask, completion_ids
+    logps = [
+        token_logprobs(
+            logits.unsqueeze(1), completion_ids[:, t : t + 1], generation_config.temperature
+        )
+        for t, logits in enumerate(step_logits)
+    ]  # T x (B*G, 1)
+    return prompt_ids, prompt_mask, completion_ids, torch.cat(logps, dim=1)
+
+
+def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config):
+    """Completions `(B*G, T)` with each prompt encoded once, and the raw logits of each step
+    (`T x (B*G, V)`, or None unless `generation_config.output_logits`); None where the model's
+    `generate` does not return a reusable cache.
+
+    1. `generate` one token for the B prompts, keeping the processed scores (temperature,
+       top-k/p, ... applied) and the prompts' cache: one forward pass of B rows.
+    2. Sample G first tokens per prompt from those scores (as `generate` samples).
+    3. Repeat the cache G times and let `generate` continue the B*G rows for T - 1 tokens.
+    A row whose first token ends it continues in step 3 like the others; the completion mask
+    ends it at that token.
+    """
+    group_size = generation_config.num_return_sequences
+    if not generation_config.max_new_tokens:
+        return None
+    first_config = copy.deepcopy(generation_config)
+    first_config.num_return_sequences = 1
+    first_config.max_new_tokens = 1
+    first_config.min_new_tokens = None
+    first_config.output_scores = True
+    first_config.return_dict_in_generate = True
+    first = model.generate(**encoded, generation_config=first_config)
+    cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave") or first.scores is None:
+        return None
+    # Step 1 used the prompts only; min_new_tokens (no eos before it) still holds for step 2.
+    scores = first.scores[0].float()  # (B, V), processed
+    if generation_config.min_new_tokens:
+        scores[:, _as_list(generation_config.eos_token_id)] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)  # (B, V)
+    first_tokens = torch.multinomial(probs, group_size, replacement=True)  # (B, G)
+    first_tokens = first_tokens.reshape(-1, 1)  # (B*G, 1)
+    want_logits = bool(generation_config.output_logits)
+    step_logits = [first.logits[0].repeat_interleave(group_size, dim=0)] if want_logits else None
+    remaining = generation_config.max_new_tokens - 1
+    if remaining < 1:
+        return first_tokens, step_logits
+    cache.batch_repeat_interleave(group_size)  # (B*G, heads, P, head_dim) per layer
+    rest_config = copy.deepcopy(generation_config)
+    rest_config.num_return_sequences = 1
+    rest_config.max_new_tokens = remaining
+    if generation_config.min_new_tokens:
+        rest_config.min_new_tokens = max(generation_config.min_new_tokens - 1, 0)
+    input_ids = torch.cat([prompt_ids, first_tokens], dim=1)  # (B*G, P + 1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(first_tokens)], dim=1)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=rest_config,
+        tokenizer=encoded.get("tokenizer"),  # for stop strings
+        **{_cache_kwarg(model): cache},
+    )  # (B*G, P + 1 + T - 1)
+    if want_logits:
+        return output.sequences[:, prompt_ids.shape[1] :], step_logits + list(output.logits)
+    return output[:, prompt_ids.shape[1] :], None
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _cache_kwarg(model) -> str:
+    """`cache` where the model's forward takes it (recent transformers), else `past_key_values`."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    for module in model.modules():  # through DDP / PEFT wrappers to the transformers model
+        if isinstance(module, PreTrainedModel):
+            parameters = inspect.signature(module.forward).parameters
+            return "cache" if "cache" in parameters else "past_key_values"
+    return "past_key_values"
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device | None = None):
+    """Runs the block with the global RNG seeded by `seed`, restoring the RNG afterwards.
+
+    Each generation batch samples from its own seed, so a resumed run, a rollout worker and
+    the synchronous trainer draw the same completions for the same batch and weights.
+    """
+    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def generation_seed(seed: int, process_index: int, batch_index: int, round_index: int = 0) -> int:
+    """A distinct, reproducible seed for each generation batch of each process."""
+    return (seed * 1_000_003 + process_index * 10_007 + batch_index * 101 + round_index) % 2**62
+
+
+class TransformersEngine:
+    """`generate` of the policy, in this process.
+
+    Args:
+        policy (`Callable[[], ContextManager]`): enters a block in which it yields the model to
+            generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
+        cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
+            (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
+        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
+    """
+
+    holds_own_weights = False
+
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
+        self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        with self.policy() as model, contextlib.ExitStack() as stack:
+            if self.cast_lm_head_to_fp32:
+                stack.enter_context(float32_head(model))
+            with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
+                prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    generation_config=generation_config,
+                    tokenizer=self.tokenizer,
+                )
+        return prompt_ids, prompt_mask, completion_ids, None
+
+    def close(self):
+        pass
