@@ -102,3 +102,35 @@ def test_a_gpu_preset_runs_its_first_step_after_the_quickstart_install(
     assert before.num_problems == after.num_problems == 4
     assert after.max_new_tokens == 16
     assert os.path.exists(tmp_path / "run" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+def test_a_preset_asks_for_the_format_its_rewards_score(path):
+    """The `format` reward scores `<think>...</think>` then the answer. A Qwen3 model writes
+    that by itself (thinking is on by default); any other model must be asked by the prompt,
+    else the reward is 0 for every completion and "strict" accuracy reads 0% throughout. A
+    completion that does what the prompt asks earns the format reward and counts as strict."""
+    from trl_grpo_ext.data import SYSTEM_PROMPT
+    from trl_grpo_ext.evaluation import score_completions
+    from trl_grpo_ext.rewards import get_reward
+
+    with open(path) as handle:
+        preset = yaml.safe_load(handle)
+    if "format" not in preset["reward_funcs"]:
+        return
+    system_prompt = preset.get("system_prompt", SYSTEM_PROMPT)
+    thinks_by_default = "Qwen3" in preset["model_name_or_path"]
+    assert thinks_by_default or ("<think>" in system_prompt and "</think>" in system_prompt)
+    assert "\\boxed{" in system_prompt
+    following = "<think>6 times 7 is 42.</think> The answer is \\boxed{42}."
+    assert get_reward("format")(completions=[following]) == [1.0]
+    strict, lenient = score_completions([following], ["42"], get_reward("format"), [False])
+    assert strict == lenient == [1.0]
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+def test_a_preset_leaves_ddp_its_unused_parameter_search_off(path):
+    """LoRA trains every adapter at every step; DDP's search for unused parameters (the
+    Trainer's default for a PEFT model) would traverse the graph each step for nothing."""
+    _, training_args, _ = parser().parse_args_and_config(["--config", path])
+    assert training_args.ddp_find_unused_parameters is False
