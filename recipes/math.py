@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 # This folder holds a file named math.py, which would shadow the standard library's `math` for
 # every import below when a script here runs (Python puts the script's folder first on sys.path).
@@ -162,33 +163,35 @@ def main(script_args, training_args, model_args):
     periodic.record(trainer.state.global_step, after, model=final_model, label="after")
     print(f"after training: {after.summary()}", flush=True)
 
-    # Save the adapter, the before/after table, the reward curve and the model card.
+    # Save the adapter, the before/after table and the model card; then the reward curve, which
+    # only adds to them (a plot that cannot be drawn is a warning, never the end of a run).
     table = before_after_table(before, after)
-    sections = {"Evaluation": table}
     if is_main:
         with open(os.path.join(training_args.output_dir, "before_after.md"), "w") as handle:
             handle.write(table + "\n")
-        plot_training_curve(
-            metrics_path, os.path.join(training_args.output_dir, "reward_curve.png")
-        )
-        sections["Training curve"] = "![reward and held-out accuracy](reward_curve.png)"
     train_name, test_name = (
         dataset_hub_id(name) or name for name in (script_args.dataset_name, eval_name)
     )
-    sections["Base model and data"] = (
+    about_data = (
         f"Base model `{model_args.model_name_or_path}`; trained on `{train_name}` "
         f"({len(train_dataset)} problems), evaluated on {after.num_problems} held-out problems "
         f"of `{test_name}`."
     )
-    trainer.model_card_sections.update(sections)
+    trainer.model_card_sections.update({"Evaluation": table, "Base model and data": about_data})
     trainer.save_model(training_args.output_dir)
+    curve = os.path.join(training_args.output_dir, "reward_curve.png")
+    if is_main and draw_reward_curve(metrics_path, curve):
+        trainer.model_card_sections = {
+            "Evaluation": table,
+            "Training curve": "![reward and held-out accuracy](reward_curve.png)",
+            "Base model and data": about_data,
+        }
     hub_datasets = {dataset_hub_id(script_args.dataset_name), dataset_hub_id(eval_name)} - {None}
     trainer.model_card_datasets = sorted(hub_datasets)
     trainer.create_model_card()
 
     # Push the adapter, tokenizer, card and curve (token: --hub_token, else the saved login).
     if push_to_hub:
-        curve = os.path.join(training_args.output_dir, "reward_curve.png")
         trainer.push_to_hub(
             commit_message="GRPO math recipe",
             token=hub_token,
@@ -199,6 +202,22 @@ def main(script_args, training_args, model_args):
         f"held-out accuracy: {before.greedy_lenient:.1%} -> {after.greedy_lenient:.1%}", flush=True
     )
     return trainer, before, after
+
+
+def draw_reward_curve(metrics_path: str, png_path: str) -> bool:
+    """Draws `reward_curve.png`; without matplotlib, or if drawing fails, warns and returns False."""
+    try:
+        return plot_training_curve(metrics_path, png_path) is not None
+    except ImportError as error:
+        reason = f"{error}; install matplotlib (`pip install matplotlib`) to get it"
+    except Exception as error:  # noqa: BLE001 - everything else is saved; the plot is extra
+        reason = f"{type(error).__name__}: {error}"
+    warnings.warn(
+        f"The reward curve was not drawn ({reason}). The adapter, metrics.jsonl and "
+        f"before_after.md are saved; `plot_training_curve` draws it from metrics.jsonl later.",
+        stacklevel=2,
+    )
+    return False
 
 
 if __name__ == "__main__":

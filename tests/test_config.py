@@ -243,3 +243,49 @@ def test_pad_to_multiple_of_auto_pads_nowhere_but_neuron(tmp_path):
     assert make(tmp_path, pad_to_multiple_of="16").pad_to_multiple_of == 16
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         make(tmp_path, pad_to_multiple_of=0)
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+def test_vespo_with_sequence_level_vllm_weights_is_refused_as_in_trl(tmp_path, mode):
+    # TRL 1.16's GRPOTrainer raises for loss_type="vespo" with use_vllm, the correction on and a
+    # mode other than token_truncate / token_mask (its default, sequence_mask, included).
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode to 'token_truncate' or"):
+        make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode=mode)
+    with pytest.raises(ValueError, match="off_policy_correction to 'tis' or 'none'"):
+        make(tmp_path, loss_type="vespo", off_policy_correction="mis")
+
+
+def test_vespo_accepts_token_level_weights_or_no_correction(tmp_path):
+    for mode in ("token_truncate", "token_mask"):
+        make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode=mode)
+    make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=False)
+    make(tmp_path, loss_type="vespo", off_policy_correction="tis", max_staleness=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "instead"),
+    [
+        (
+            {"off_policy_correction": "mis", "off_policy_clip": 4.0},
+            "vllm_importance_sampling_mode='sequence_mask', vllm_importance_sampling_clip_min=0.5 "
+            "and vllm_importance_sampling_clip_max=4.0",
+        ),
+        (
+            {"off_policy_clip": 5.0},
+            "vllm_importance_sampling_mode='token_truncate' and "
+            "vllm_importance_sampling_clip_max=5.0",
+        ),
+        ({"off_policy_correction": "none"}, "vllm_importance_sampling_correction=False"),
+        ({"off_policy_min": 0.25, "off_policy_correction": "mis"}, "clip_min=0.25"),
+    ],
+)
+def test_off_policy_fields_with_vllm_are_refused_with_their_vllm_equivalent(
+    tmp_path, kwargs, instead
+):
+    # With vLLM the engine's log-probs already come from the (possibly stale) version that
+    # sampled, so TRL's vllm_importance_sampling_* fields correct for staleness too; a second
+    # correction of the same ratio would be silently ignored, so it is an error.
+    with pytest.raises(ValueError, match="has no effect with use_vllm=True") as error:
+        make(tmp_path, use_vllm=True, max_staleness=1, **kwargs)
+    assert instead in str(error.value)
+    make(tmp_path, use_vllm=True, max_staleness=1)  # the defaults are fine

@@ -1,6 +1,7 @@
 """Two CPU processes with gloo: groups stay on one process and the logs match one process."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("distributed_run.py")
+ENTROPY_SCRIPT = Path(__file__).with_name("distributed_entropy_run.py")
 
 
 def free_port() -> int:
@@ -19,23 +21,26 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run(output_dir, processes, per_device):
-    output_dir.mkdir()
+def launch(script, processes, *arguments):
     if processes == 1:
-        command = [sys.executable, str(SCRIPT)]
+        command = [sys.executable, str(script)]
     else:
         # `--cpu --num_processes 2` silently starts one process; --multi_gpu uses gloo on CPU.
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
             "--num_processes", str(processes), "--mixed_precision", "no",
-            "--main_process_port", str(free_port()), str(SCRIPT),
+            "--main_process_port", str(free_port()), str(script),
         ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [*command, str(output_dir), str(per_device)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [*command, *map(str, arguments)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run(output_dir, processes, per_device):
+    output_dir.mkdir()
+    launch(SCRIPT, processes, output_dir, per_device)
     results = [json.loads(path.read_text()) for path in sorted(output_dir.glob("result-*.json"))]
     calls = {
         int(path.stem.split("-")[1]): [json.loads(line) for line in path.read_text().splitlines()]
@@ -80,3 +85,33 @@ def test_logged_rewards_match_one_process_on_the_same_data(runs):
     double = [entry[key] for entry in two[0]["log"] if key in entry]
     assert len(single) == 3 and single == pytest.approx(double)
     assert len(one_calls[0]) == 3
+
+
+def quantile(values, q):
+    """The q-quantile with linear interpolation between order statistics (torch.quantile's)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
+def test_top_entropy_quantile_pools_the_tokens_of_all_processes(tmp_path):
+    """TRL's rule: one threshold, the (1 - rho)-quantile of the completion-token entropies of the
+    micro-batches of all processes; each process keeps its tokens at or above it."""
+    launch(ENTROPY_SCRIPT, 2, tmp_path)
+    runs = [json.loads((tmp_path / f"entropy-{rank}.json").read_text()) for rank in (0, 1)]
+    rho = runs[0]["quantile"]
+    assert len(runs[0]["calls"]) == len(runs[1]["calls"]) >= 2
+    local_rule_differs = False
+    for calls in zip(runs[0]["calls"], runs[1]["calls"]):
+        pooled = calls[0]["entropy"] + calls[1]["entropy"]
+        threshold = quantile(pooled, 1 - rho)
+        for call in calls:
+            for entropy, kept in zip(call["entropy"], call["kept"]):
+                if abs(entropy - threshold) > 1e-5:  # float32 rounding at the threshold itself
+                    assert kept == (entropy > threshold), (entropy, threshold)
+            local = quantile(call["entropy"], 1 - rho)
+            local_rule_differs |= [e >= local for e in call["entropy"]] != call["kept"]
+    # The check above can fail: each process's own quantile keeps other tokens.
+    assert local_rule_differs

@@ -158,6 +158,7 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
 
     monkeypatch.setattr(VLLMServerEngine, "wait_until_ready", lambda self: None)
     loaded = []
+    monkeypatch.setattr(VLLMServerEngine, "check_same_model", lambda self: None)
     monkeypatch.setattr(
         VLLMServerEngine, "_request", lambda self, path, payload: loaded.append(payload)
     )
@@ -271,5 +272,7 @@ def test_evaluations_during_asynchronous_rollouts_leave_the_engine_to_the_worker
     )
     trainer.train()
     assert [step for step, _, _ in periodic.history] == [1, 2]
-    # Only the rollout worker's thread sampled on the engine; the evaluations used transformers.
+    # Only the rollout worker's thread sampled on the engine, the evaluations included: the
+    # one after the last step with that step's weights, which training never published.
     assert threads and all(name.startswith("rollouts") for name in threads)
+    assert engine.published == [0, 1, 2] and engine.generated_with[-1] == 2

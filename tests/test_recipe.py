@@ -270,9 +270,16 @@ def test_warmup_is_reproducible_and_never_sees_held_out_problems(monkeypatch):
     assert seen and not any(data.is_held_out(row["question"]) for row in seen)
 
 
-def test_script_entry_point_runs(tmp_path):
+def test_script_entry_point_runs_and_a_missing_plotting_library_only_warns(tmp_path):
     """`python recipes/math.py` (what `accelerate launch` runs): the file's name must not shadow
-    the standard library's math module, and the last line is the summary."""
+    the standard library's math module, and the last line is the summary. Here matplotlib cannot
+    be imported (as in an environment installed without it): the finished run still saves the
+    adapter, metrics and evaluation, and warns with what to install instead of crashing."""
+    missing = tmp_path / "no_matplotlib" / "matplotlib"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
+    )
     command = [
         sys.executable, os.path.join(ROOT, "recipes", "math.py"),
         "--config", os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml"),
@@ -282,10 +289,18 @@ def test_script_entry_point_runs(tmp_path):
         "--output_dir", str(tmp_path / "run"),
         "--tiny_cache_dir", str(tmp_path / "cache"),
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    path = os.pathsep.join([str(missing.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": path}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert SUMMARY.match(result.stdout.strip().splitlines()[-1])
+    assert "The reward curve was not drawn" in result.stderr
+    assert "pip install matplotlib" in result.stderr
+    run = tmp_path / "run"
+    for name in ("adapter_model.safetensors", "metrics.jsonl", "before_after.md", "README.md"):
+        assert (run / name).exists(), name
+    assert not (run / "reward_curve.png").exists()
+    assert "reward_curve.png" not in (run / "README.md").read_text()
 
 
 # ---------------------------------------------------------- a real model, offline

@@ -123,6 +123,48 @@ def test_restating_the_arithmetic_is_not_an_answer():
     assert score([r"\boxed{1 + \sqrt{2}}"], [r"1 + \sqrt{2}"]) == [1.0]
 
 
+def test_worked_arithmetic_that_ends_in_its_result_is_an_answer():
+    # verify() compares the last right-hand side of an equation with a number: that value alone
+    # is judged for arithmetic left undone, not the work before it.
+    worked = [
+        r"Therefore, the answer is $12 - 5 = 7$.",
+        r"\boxed{52+6=58}",
+        r"Janet makes \(9 \times 2 = 18\) dollars every day.",
+        r"\boxed{x = 52 + 6 = 58}",
+        r"The area is $\frac{1}{2} \cdot 6 \cdot 4 = 12$ square units.",
+    ]
+    assert score(worked, ["7", "#### 58", "#### 18", "58", "12"]) == [1.0] * len(worked)
+    # A chain or an equation that ends in the arithmetic restates it; a wrong result is wrong.
+    restated = [r"\boxed{52 + 6}", r"\boxed{x = 50 + 8 = 52 + 6}", r"\boxed{52 + 6 = 59}"]
+    assert score(restated, ["58"] * 3) == [0.0] * 3
+    # Written the other way round, the last right-hand side is the restatement (see the docs).
+    assert score([r"\boxed{58 = 52 + 6}"], ["58"]) == [0.0]
+
+
+def test_latex_thousands_separators():
+    completions = [
+        r"\boxed{10\,000}",
+        r"\boxed{10 000}",
+        r"\boxed{10,\!000}",
+        r"\boxed{10\ 000}",
+        r"The total is $10\,000$ dollars.",
+        r"She pays \(10~000\) dollars.",
+        r"#### 10\,000",
+        r"The profit is $80{,}000 - 70{,}000 = 10{,}000$.",
+        r"He pays $4 \times 2,500 = 10,000$ dollars.",
+    ]
+    assert score(completions, ["10000"] * len(completions)) == [1.0] * len(completions)
+    # The digits still count: 10,001 is not 10,000, and a reference 10\,000 is not 0.
+    assert score([r"\boxed{10\,001}", "0", "10000"], ["10000", r"10\,000", r"10\,000"]) == [
+        0.0,
+        0.0,
+        1.0,
+    ]
+    # A comma between numbers of a tuple or interval is not a thousands separator.
+    interval = r"(2,12) \cup (12,102)"
+    assert score([rf"\boxed{{{interval}}}", r"\boxed{(2,12102)}"], [interval] * 2) == [1.0, 0.0]
+
+
 def test_math_accuracy_solution_column_and_configured_column():
     completions = [r"\boxed{14}", r"\boxed{15}"]
     solutions = [r"Adding, we get $\boxed{14}$.", r"Adding, we get $\boxed{14}$."]
@@ -136,8 +178,14 @@ def test_math_accuracy_solution_column_and_configured_column():
 
 
 def test_math_accuracy_unparseable_reference_is_none_not_zero():
-    completions = ["The answer is 1."] * 5
-    assert score(completions, [None, "", "#### ", "???", r"\boxed{}"]) == [None] * 5
+    references = [None, "", "#### ", "???", r"\boxed{}"]
+    # Words are not LaTeX: as LaTeX, a sentence would be the product of its letters.
+    references += ["no numeric reference here at all", "The cat sat.", "none", "unknown"]
+    assert score(["The answer is 1."] * len(references), references) == [None] * len(references)
+    # A reference in words is read as text, as a completion is; single letters stay algebra.
+    completions = ["18", r"\boxed{72}", r"\boxed{\text{Evelyn}}", r"\boxed{ab}", r"\boxed{x^2}"]
+    references = ["The answer is 18", "72 dollars", r"\text{Evelyn}", "ab", "x^2"]
+    assert score(completions, references) == [1.0] * len(completions)
 
 
 def test_empty_and_whitespace_completions_score_zero():

@@ -307,3 +307,133 @@ def test_pad_to_multiple_of_pads_without_changing_the_training(tmp_path):
     assert padded_loss == pytest.approx(plain_loss, abs=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(padded_weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- TRL's vLLM stop keys in generation_kwargs
+
+# Digits and capitals: about 1 in 7 byte tokens, and in no special token's text.
+STOPS = list("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def sample_rows(tmp_path, seed, **generation_kwargs):
+    trainer = make_trainer(
+        tmp_path,
+        max_completion_length=10,
+        generation_kwargs=generation_kwargs or None,
+        per_device_train_batch_size=16,
+    )
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
+    torch.manual_seed(seed)
+    return trainer.rollouts.generate(rows, version=0)
+
+
+def test_stop_ends_each_completion_at_its_first_stop_string(tmp_path, monkeypatch):
+    criteria = []
+    original = GenerationMixin._get_stopping_criteria
+
+    def recording(self, *args, **kwargs):
+        built = original(self, *args, **kwargs)
+        criteria.extend(type(criterion).__name__ for criterion in built)
+        return built
+
+    monkeypatch.setattr(GenerationMixin, "_get_stopping_criteria", recording)
+    free = sample_rows(tmp_path / "free", seed=3)
+    stopped = sample_rows(tmp_path / "stop", seed=3, stop=STOPS, include_stop_str_in_output=True)
+    assert "StopStringCriteria" in criteria  # `generate` itself stops, not only the mask
+    tokenizer = build_tiny_tokenizer()
+    ends = 0
+    for row in range(len(free)):
+        free_ids = free.completion_ids[row][free.completion_mask[row].bool()].tolist()
+        ids = stopped.completion_ids[row][stopped.completion_mask[row].bool()].tolist()
+        # The same draws: the completion is the unstopped one, cut after its first stop token.
+        texts = [tokenizer.decode([token]) for token in free_ids]
+        first = next((t for t, text in enumerate(texts) if set(text) & set(STOPS)), None)
+        if first is None:
+            assert ids == free_ids
+            assert bool(stopped.is_truncated[row]) == bool(free.is_truncated[row])
+        else:
+            ends += 1
+            assert ids == free_ids[: first + 1]
+            assert not stopped.is_truncated[row]  # ended by a stop string, not by the length cap
+            assert stopped.completions[row] == tokenizer.decode(ids, skip_special_tokens=True)
+            assert set(tokenizer.decode(ids[-1:])) & set(STOPS)
+    assert 0 < ends < len(free)  # both kinds of completion occur
+
+
+def test_the_stop_keys_are_checked_and_stop_is_transformers_stop_strings():
+    config = sampling_config(
+        max_new_tokens=4, eos_token_id=[1], pad_token_id=0, generation_kwargs={"stop": "\n"}
+    )
+    assert config.stop_strings == ["\n"]
+    with pytest.raises(ValueError, match="same setting: keep one"):
+        sampling_config(
+            max_new_tokens=4,
+            eos_token_id=[1],
+            pad_token_id=0,
+            generation_kwargs={"stop": ["a"], "stop_strings": ["b"]},
+        )
+    for bad in ({"stop": [1]}, {"stop": [""]}, {"include_stop_str_in_output": "yes"}):
+        with pytest.raises(ValueError, match="generation_kwargs"):
+            sampling_config(
+                max_new_tokens=4, eos_token_id=[1], pad_token_id=0, generation_kwargs=bad
+            )
+
+
+def test_vllm_gets_the_stop_keys_as_its_own():
+    from trl_grpo_ext.generation.vllm_sampling import sampling_fields
+
+    config = sampling_config(
+        max_new_tokens=4,
+        eos_token_id=[1],
+        pad_token_id=0,
+        generation_kwargs={"stop": ["</answer>", "\n\n"], "include_stop_str_in_output": True},
+    )
+    fields = sampling_fields(config, seed=0)  # no error: both are honoured
+    assert fields["stop"] == ["</answer>", "\n\n"]
+    assert fields["include_stop_str_in_output"] is True
+    plain = sampling_fields(
+        sampling_config(max_new_tokens=4, eos_token_id=[1], pad_token_id=0), seed=0
+    )
+    assert plain["stop"] == [] and plain["include_stop_str_in_output"] is False
+
+
+def test_stop_ends_the_asynchronous_workers_completions_too(tmp_path):
+    # The rollout worker's `generate` has no tokenizer to match strings with; the completion is
+    # ended at its first stop string all the same, before the rewards see it.
+    seen = []
+
+    def recording(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(
+        tmp_path,
+        reward_funcs=recording,
+        max_staleness=1,
+        max_steps=2,
+        max_completion_length=10,
+        generation_kwargs={"stop": STOPS},
+    )
+    trainer.train()
+    assert len(seen) == 16
+    ended = [text for text in seen if set(text) & set(STOPS)]
+    assert ended and all(not set(text[:-1]) & set(STOPS) for text in ended)
+    assert all(text[-1] in STOPS for text in ended)
+
+
+def test_end_at_stop_strings_keeps_the_token_that_completes_the_first_stop():
+    from trl_grpo_ext.generation.sampling import end_at_stop_strings
+
+    tokenizer = build_tiny_tokenizer()  # one token per byte
+    eos = tokenizer.eos_token_id
+    rows = ["xy</a>zz</a>", "no stop here", "ab"]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in rows]
+    ids[2] = ids[2] + [eos] + tokenizer.encode("</a>", add_special_tokens=False)
+    width = max(map(len, ids))
+    completion_ids = torch.tensor(
+        [row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids]
+    )
+    mask = torch.tensor([[1] * 12, [1] * 12, [1, 1, 1] + [0] * 9])  # up to the eos of row 2
+    ended, stopped = end_at_stop_strings(tokenizer, completion_ids, mask, ["</a>", "zz z"])
+    assert ended.sum(dim=1).tolist() == [6, 12, 3]  # "xy</a>"; unchanged; the eos came first
+    assert stopped.tolist() == [True, False, False]

@@ -181,6 +181,11 @@ class RolloutPipeline:
             raise RuntimeError(f"The batch of step {step} was never submitted.")
         batch = self.worker.result(step)
         self.submitted.discard(step)
+        if batch.version is None:  # a worker must raise its failed update, never hide it here
+            raise RuntimeError(
+                f"Batch {step} was generated before any weights reached the rollout worker: its "
+                "first weight update failed without an error."
+            )
         staleness = step - batch.version
         if not 0 <= staleness <= self.max_staleness:
             raise RuntimeError(

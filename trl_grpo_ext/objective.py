@@ -431,8 +431,8 @@ def high_entropy_mask(
             Fraction rho of the tokens to keep, in `[0, 1]`.
         pooled_entropy (`torch.Tensor`, *optional*):
             1-D entropies of the completion tokens that define the quantile. Defaults to those of
-            this batch; with several processes TRL pools all processes' tokens, so pass the
-            gathered values to reproduce it.
+            this batch; the trainer passes those of the micro-batches of all processes, which
+            TRL pools.
 
     Returns:
         `torch.Tensor`: boolean mask of shape `(B, T)`, True where the token is kept.

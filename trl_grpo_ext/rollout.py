@@ -127,6 +127,7 @@ def generate_with_transformers(
     *,
     generation_config: GenerationConfig,
     return_logprobs: bool = False,
+    tokenizer=None,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -146,6 +147,9 @@ def generate_with_transformers(
     Args:
         prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`
             (`generation.PromptEncoder.encode`).
+        tokenizer (*optional*): lets `generate` stop at `generation_config.stop_strings`;
+            without it sampling goes on past them, and the caller ends each completion at its
+            stop (`generation.end_at_stop_strings`).
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
@@ -154,6 +158,12 @@ def generate_with_transformers(
     """
     encoded = {"input_ids": prompt_ids, "attention_mask": prompt_mask}
     encoded = {key: value.to(model.device) for key, value in encoded.items()}  # (B, P)
+    if generation_config.stop_strings:
+        if tokenizer is None:  # `generate` cannot match strings without it
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.stop_strings = None
+        else:
+            encoded["tokenizer"] = tokenizer
     with isolated_from_checkpoint(model):
         return _generate(model, encoded, generation_config, return_logprobs)
 
@@ -237,6 +247,7 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
         input_ids=input_ids,
         attention_mask=attention_mask,
         generation_config=rest_config,
+        tokenizer=encoded.get("tokenizer"),  # for stop strings
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
     if want_logits:

@@ -42,12 +42,21 @@ def reward_weights(weights: list[float] | None, names: list[str]) -> torch.Tenso
     return torch.tensor(weights, dtype=torch.float32)
 
 
-def resolve_reward_funcs(reward_funcs) -> list[Callable]:
-    """One or a list of callables, registry names or dotted import paths -> list of callables."""
+def reward_func_list(reward_funcs) -> list:
+    """`reward_funcs` as a non-empty list (one entry, or a list or tuple of them)."""
     if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not reward_funcs):
-        raise ValueError("reward_funcs is empty: pass at least one reward function or name.")
+        raise ValueError(
+            "reward_funcs is empty: pass at least one reward function, name or reward model."
+        )
     if not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
+    return list(reward_funcs)
+
+
+def resolve_reward_funcs(reward_funcs) -> list[Callable]:
+    """One or a list of callables, registry names or dotted import paths -> list of callables.
+    (Reward models are wrapped as callables before, by `rewards.model.resolve_reward_models`.)"""
+    reward_funcs = reward_func_list(reward_funcs)
     if not all(callable(func) for func in reward_funcs):
         from .rewards import get_reward  # the registry resolves names and dotted paths
 

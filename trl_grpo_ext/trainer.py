@@ -40,6 +40,7 @@ from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .generation import check_prompt_dataset
 from .generation.engines import engine_model_folder, policy_for_generation
+from .generation.engines import lora_rank as max_lora_rank
 from .generation.producer import RolloutProducer
 from .hub import HubMixin, is_peft_model
 from .metrics import completions_table, print_completions, rollout_metrics
@@ -53,9 +54,19 @@ from .objective import (
     weighted_rewards,
 )
 from .off_policy import behaviour_correction
+from .rewards.model import RewardModel, resolve_reward_models
 from .rollout import Rollout, completion_logprobs, eos_token_ids, generation_seed, seeded
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
-from .scoring import call_reward_funcs, resolve_reward_funcs, reward_name, reward_weights
+from .scoring import (
+    call_reward_funcs,
+    resolve_reward_funcs,
+    reward_func_list,
+    reward_name,
+    reward_weights,
+)
+
+# A reward function, a registry name or import path, a reward model, or its folder or Hub id.
+RewardSpec = Callable | str | PreTrainedModel
 
 # Parameters of the SAPO and VESPO surrogates, passed from the config as they are named.
 _SURROGATE_FIELDS = (
@@ -91,9 +102,12 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         model (`str`, `PreTrainedModel` or `PeftModel`):
             A hub id or local folder (loaded with `AutoModelForCausalLM` and
             `args.model_init_kwargs`), or a model object.
-        reward_funcs (callable, `str`, or a list of them):
-            Reward functions in TRL's convention, registry names (`"math_accuracy"`) or dotted
-            import paths (`"my_pkg.rewards:score"`).
+        reward_funcs (callable, `str`, `PreTrainedModel`, or a list of them):
+            Reward functions in TRL's convention, registry names (`"math_accuracy"`), dotted
+            import paths (`"my_pkg.rewards:score"`), or reward models: a `PreTrainedModel` for
+            sequence classification, or its local folder or Hub id (`"org/name"`), loaded with
+            `AutoModelForSequenceClassification` (`num_labels=1`, `args.model_init_kwargs`); its
+            first logit on prompt + completion is the reward (`rewards.model.RewardModel`).
         args ([`GroupRelativeConfig`], *optional*):
             Training configuration; defaults to `GroupRelativeConfig("<model name>-GRPO")`.
         train_dataset (`datasets.Dataset`, *optional*):
@@ -104,12 +118,19 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             Prompts for `evaluate()`, in the same format.
         processing_class (`PreTrainedTokenizerBase`, *optional*):
             Tokenizer; loaded from the model's folder when omitted.
-        peft_config (`peft.PeftConfig`, *optional*):
-            Wraps the model with these adapters; only they are trained.
+        reward_processing_classes (`PreTrainedTokenizerBase` or `list`, *optional*):
+            The tokenizers of the reward models: one per reward function (entries for functions
+            are ignored), or a single one when there is one reward function. `None`, or a `None`
+            entry, loads the reward model's own with `AutoTokenizer.from_pretrained`.
         callbacks (`list[TrainerCallback]`, *optional*):
             As in `transformers.Trainer`.
         optimizers (`tuple`, *optional*, defaults to `(None, None)`):
             As in `transformers.Trainer`: an optimizer and a learning-rate scheduler.
+        quantization_config (`transformers.BitsAndBytesConfig`, *optional*):
+            Passed to `from_pretrained` when `model` is a name (with `peft_config`: QLoRA). An
+            error with a model object, which is loaded already.
+        peft_config (`peft.PeftConfig`, *optional*):
+            Wraps the model with these adapters; only they are trained.
     """
 
     _tag_names = ["trl_grpo_ext", "grpo"]
@@ -119,14 +140,16 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: Callable | str | list[Callable | str],
+        reward_funcs: RewardSpec | list[RewardSpec] | None = None,
         args: GroupRelativeConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
-        peft_config=None,
+        reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -137,7 +160,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 "GroupRelativeConfig(**your_args.to_dict()) or the same fields."
             )
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
-        model, processing_class = load_policy(model, args, processing_class)
+        model, processing_class = load_policy(model, args, processing_class, quantization_config)
+        reward_funcs, self.reward_processing_classes = resolve_reward_models(
+            reward_func_list(reward_funcs), reward_processing_classes, args
+        )
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         self.reward_names = [reward_name(func) for func in self.reward_funcs]
         self.reward_weights = reward_weights(args.reward_weights, self.reward_names)
@@ -160,6 +186,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        for func in self.reward_funcs:
+            if isinstance(func, RewardModel):
+                func.prepare(self.accelerator, self.is_deepspeed_enabled)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
             if args.sync_ref_model:
@@ -167,9 +196,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
 
                 self.add_callback(SyncRefModelCallback(self.ref_model, self.accelerator))
         self.eos_token_ids = eos_token_ids(model, processing_class)
-        lora_rank = None
-        if is_peft_model(model):
-            lora_rank = max(config.r for config in model.peft_config.values())
+        lora_rank = max_lora_rank(model) if is_peft_model(model) else None
         self.rollouts = RolloutProducer(
             args,
             processing_class,
@@ -305,7 +332,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             entropy_mask = high_entropy_mask(
-                entropy.detach(), batch["completion_mask"], args.top_entropy_quantile
+                entropy.detach(),
+                batch["completion_mask"],
+                args.top_entropy_quantile,
+                pooled_entropy=self._entropies_of_all_processes(entropy, batch["completion_mask"]),
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         loss, stats = policy_loss(
@@ -354,6 +384,20 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return behaviour_correction(
             self.args, old_logps, batch["behaviour_logps"], batch["completion_mask"]
         )
+
+    def _entropies_of_all_processes(self, entropy, completion_mask) -> torch.Tensor:
+        """The entropies of the completion tokens of this micro-batch on every process, 1-D: the
+        quantile of `top_entropy_quantile` is taken over all of them, as in TRL, so every
+        process keeps tokens above one threshold."""
+        local = entropy.detach()[completion_mask.bool()].float()  # (tokens here,)
+        if self.accelerator.num_processes == 1:
+            return local
+        # Processes hold different numbers of tokens: pad to the longest with a value no entropy
+        # takes (entropies are >= 0), gather, and drop the padding again (TRL's sentinel).
+        padding = -1e9
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=padding)
+        gathered = self.accelerator.gather(padded)  # (processes * longest,)
+        return gathered[gathered != padding]
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else

@@ -81,18 +81,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir, port: int, log) -> subprocess.Popen:
-    """Starts a real, unmodified vLLM server for `model_dir` on `port` (LoRA enabled, runtime
-    adapter updates allowed), writing to the open file `log`; returns once `/health` answers."""
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+def start_server(model_dir, port: int, log, as_documented: bool = True) -> subprocess.Popen:
+    """Starts a real, unmodified vLLM server for `model_dir` on `port`, writing to the open file
+    `log`; returns once `/health` answers. `as_documented`: LoRA enabled, runtime adapter updates
+    allowed, processed log-probs; else vLLM's defaults (none of these)."""
+    env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1",
+        "--generation-config", "vllm",
     ]  # fmt: skip
+    if as_documented:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        command += ["--logprobs-mode", "processed_logprobs", "--enable-lora"]
+        command += ["--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1"]
     # A session of its own: the server's engine and worker processes are stopped with it.
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -111,14 +115,35 @@ def start_server(model_dir, port: int, log) -> subprocess.Popen:
             time.sleep(1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir, tmp_path_factory):
-    """A real, unmodified vLLM server on a free local port; yields `(base_url, process)`."""
+    """A real, unmodified vLLM server on a free local port, started as the docs say, shared by
+    every test of the session (no test may stop it); yields `(base_url, process)`."""
     port = free_port()
     with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
         process = start_server(vllm_model_dir, port, log)
         try:
             yield f"http://127.0.0.1:{port}", process
+        finally:
+            stop_server(process)
+
+
+@pytest.fixture(scope="session")
+def other_model_server(tmp_path_factory):
+    """A second server, on another tiny model of the same shape (other weights), started with
+    vLLM's defaults: no LoRA, log-probs from before temperature. Yields its base URL."""
+    model_dir = save_tiny(
+        tmp_path_factory.mktemp("tiny-vllm-other"),
+        seed=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.2,
+    )
+    port = free_port()
+    with open(tmp_path_factory.mktemp("server") / "other-server.log", "w") as log:
+        process = start_server(model_dir, port, log, as_documented=False)
+        try:
+            yield f"http://127.0.0.1:{port}"
         finally:
             stop_server(process)
 

@@ -10,6 +10,7 @@ from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
+    assert_stop_strings_end_where_transformers_does,
     completion_mask,
     config,
     lora_adapter,
@@ -141,3 +142,27 @@ def test_load_weights_replaces_the_engines_weights(colocate_engine, tokenizer, p
         )
         colocate_engine.load_weights(base.state_dict().items())
     assert all(torch.equal(original[name], tensor) for name, tensor in other.state_dict().items())
+
+
+def test_a_failed_generation_is_an_error_and_the_engine_stays_usable(
+    colocate_engine, tokenizer, prompts, tmp_path
+):
+    from vllm.lora.request import LoRARequest
+
+    greedy = config(tokenizer, greedy=True)
+    expected = colocate_engine.generate(*prompts, greedy)[2]
+    colocate_engine.adapter = LoRARequest("adapter-v9", 99, str(tmp_path / "deleted"))
+    try:
+        with pytest.raises(Exception, match="adapter-v9"):
+            colocate_engine.generate(*prompts, greedy)
+    finally:
+        colocate_engine.adapter = None
+    # the failed requests were dropped: the next call runs (it waited on them forever before)
+    assert not colocate_engine.llm.llm_engine.has_unfinished_requests()
+    assert torch.equal(colocate_engine.generate(*prompts, greedy)[2], expected)
+
+
+def test_stop_strings_end_completions_where_transformers_ends_them(
+    colocate_engine, hf_model, tokenizer, prompts
+):
+    assert_stop_strings_end_where_transformers_does(colocate_engine, hf_model, tokenizer, prompts)

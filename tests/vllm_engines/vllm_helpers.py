@@ -9,6 +9,7 @@ import subprocess
 import torch
 
 from trl_grpo_ext.generation import sampling_config
+from trl_grpo_ext.generation.sampling import end_at_stop_strings
 from trl_grpo_ext.rollout import completion_logprobs, generate_with_transformers
 
 MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
@@ -50,6 +51,27 @@ def assert_greedy_matches_transformers(engine, model, tokenizer, prompts):
     mask = completion_mask(reference[2], tokenizer.eos_token_id)
     torch.testing.assert_close(output[3] * mask, reference[3] * mask, atol=1e-4, rtol=0)
     return output
+
+
+def assert_stop_strings_end_where_transformers_does(engine, model, tokenizer, prompts):
+    """A `stop` of `generation_kwargs` ends the engine's greedy completions after the token that
+    completes it, where `generate` with `stop_strings` ends them (`end_at_stop_strings` masks)."""
+    free = engine.generate(*prompts, config(tokenizer, greedy=True))[2]  # (2, T)
+    length = int(completion_mask(free, tokenizer.eos_token_id)[0].sum())
+    texts = [tokenizer.decode([token]) for token in free[0, :length].tolist()]
+    # A printable character that the first greedy completion produces after its first token.
+    position = next(t for t, text in enumerate(texts) if t > 0 and text.isalnum())
+    stop_config = config(tokenizer, greedy=True, generation_kwargs={"stop": texts[position]})
+    transformers_ids = generate_with_transformers(
+        model, *prompts, generation_config=stop_config, tokenizer=tokenizer
+    )[2]
+    ends = []
+    for completion_ids in (engine.generate(*prompts, stop_config)[2], transformers_ids):
+        mask = completion_mask(completion_ids, tokenizer.eos_token_id).long()
+        mask, stopped = end_at_stop_strings(tokenizer, completion_ids, mask, [texts[position]])
+        ends.append([ids[keep.bool()].tolist() for ids, keep in zip(completion_ids, mask)])
+        assert stopped[0] and ends[-1][0] == free[0, : position + 1].tolist()
+    assert ends[0] == ends[1]
 
 
 def assert_sampled_logprobs_match_trainer(engine, model, tokenizer, prompts, temperature=0.7):

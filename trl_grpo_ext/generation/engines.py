@@ -27,7 +27,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..logprobs import float32_head
 from ..rollout import generate_with_transformers, seeded
@@ -41,12 +43,14 @@ class TransformersEngine:
             generate with (unwrapped from DDP, gathered under ZeRO-3, in eval mode).
         cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
             (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
+        tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
     holds_own_weights = False
 
-    def __init__(self, policy, cast_lm_head_to_fp32: bool = False):
+    def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
@@ -54,7 +58,11 @@ class TransformersEngine:
                 stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
                 prompt_ids, prompt_mask, completion_ids = generate_with_transformers(
-                    model, prompt_ids, prompt_mask, generation_config=generation_config
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    generation_config=generation_config,
+                    tokenizer=self.tokenizer,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 
@@ -68,12 +76,19 @@ class WeightPublisher:
     `publish(version)` does both halves at once; the asynchronous worker calls `snapshot` on the
     trainer's thread (so the weights cannot change under it) and `load` on its own.
 
+    Versions are the trainer's global step, so one version always names the same weights. Under
+    LoRA each version is an adapter folder; a folder is deleted once the engine has loaded a
+    later version, never before: in asynchronous mode the trainer saves versions ahead of the
+    engine. The first publication of a colocated engine under LoRA also hands it the base
+    weights the trainer holds in memory (`base_weights`), which may differ from the checkpoint on
+    disk the engine started from (a `revision`, resized embeddings, an earlier SFT step).
+
     Args:
         engine: a vLLM engine (`publish_adapter(folder, version)`, `load_weights(named)`).
         model (`Callable[[], nn.Module]`): returns the unwrapped model (a `PeftModel` under LoRA).
         is_adapter (`bool`): LoRA: publish the adapter only.
         folder (`str`, *optional*): where adapter versions are saved (a temporary folder when
-            None); only the latest two are kept.
+            None, removed by `close`).
     """
 
     def __init__(self, engine, model, is_adapter: bool, folder: str | None = None):
@@ -81,35 +96,102 @@ class WeightPublisher:
         self._temporary = folder is None
         self.folder = folder or tempfile.mkdtemp(prefix="trl_grpo_ext-adapters-")
         self.version: int | None = None  # the version the engine has
-        self._saved: list[str] = []
+        self._lock = threading.Lock()  # `_folders` is shared by the trainer and the worker
+        self._folders: dict[int, str] = {}  # version -> adapter folder still on disk
+        # Only a colocated engine can take full weights; a server keeps its checkpoint's.
+        self._base_pending = is_adapter and getattr(engine, "takes_base_weights", False)
 
     def publish(self, version: int) -> None:
-        if version != self.version:
+        """Brings the engine to `version` now, on this thread. Full weights go to the engine
+        straight from the model, without a copy."""
+        if version == self.version:
+            return
+        if self.is_adapter:
             self.load(self.snapshot(version), version)
+            return
+        with gathered(self.model()) as model:
+            self.engine.load_weights(named_weights(model))
+        self.version = version
 
     def snapshot(self, version: int):
-        """The weights of `version`, frozen: an adapter folder, or a copy of every tensor."""
-        model = self.model()
+        """The weights of `version`, frozen: an adapter folder, or a copy of every tensor on the
+        CPU (the trainer updates its own in place while the engine waits to load them)."""
         if not self.is_adapter:
-            return [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
+            with gathered(self.model()) as model:
+                return [(name, t.detach().to("cpu", copy=True)) for name, t in named_weights(model)]
+        if self._base_pending:
+            # Here, on the trainer's thread: a ZeRO-3 gather is a collective every process
+            # makes in the same order, and the first snapshot comes before any generation.
+            with gathered(self.model()) as model:
+                self.engine.load_weights(base_weights(model))
+            self._base_pending = False
+        with self._lock:
+            if version in self._folders:  # saved already (an evaluation, then the pipeline)
+                return self._folders[version]
         path = os.path.join(self.folder, f"v{version}")
-        model.save_pretrained(path)  # a PeftModel saves the adapter only
-        self._saved.append(path)
+        with gathered(self.model(), adapter_only=True) as model:
+            # A PeftModel saves the adapter only. Not resized embeddings, which PEFT would add
+            # and vLLM refuses in an adapter: they reach the engine with the base weights.
+            model.save_pretrained(path, save_embedding_layers=False)
+        with self._lock:
+            self._folders[version] = path
         return path
 
     def load(self, weights, version: int) -> None:
-        if self.is_adapter:
-            self.engine.publish_adapter(weights, version)
-            for old in self._saved[:-2]:  # the engine may still read the previous one
-                shutil.rmtree(old, ignore_errors=True)
-            self._saved = self._saved[-2:]
-        else:
+        if not self.is_adapter:
             self.engine.load_weights(weights)
+            self.version = version
+            return
+        self.engine.publish_adapter(weights, version)
         self.version = version
+        with self._lock:  # versions before this one are never loaded again
+            done = [v for v in self._folders if v < version]
+            paths = [self._folders.pop(v) for v in done]
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         if self._temporary:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def named_weights(model):
+    """`(name, tensor)` of every weight of a model, under the checkpoint's names. Under FSDP2 a
+    parameter is a shard (`DTensor`): its full tensor is gathered one at a time."""
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
+
+
+def base_weights(peft_model):
+    """The base model's weights of a `PeftModel`, under the checkpoint's names (no adapter
+    tensors, `base_layer` names restored), as TRL hands them to vLLM."""
+    prefix = f"{peft_model.prefix}" if hasattr(peft_model, "prefix") else "lora_"
+    for name, tensor in named_weights(peft_model):
+        if prefix in name or "original_module" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        yield name.replace("modules_to_save.default.", ""), tensor
+
+
+@contextlib.contextmanager
+def gathered(model, adapter_only: bool = False):
+    """`model` with its parameters whole for the block. Under DeepSpeed ZeRO-3 each process holds
+    a shard of every parameter; they are gathered (the adapter only, with `adapter_only`) as TRL
+    does before handing weights to vLLM. Elsewhere, the model as it is."""
+    parameters = [
+        p
+        for p in model.parameters()
+        if hasattr(p, "ds_id") and (p.requires_grad or not adapter_only)
+    ]
+    if not parameters:
+        yield model
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(parameters):
+        yield model
 
 
 class EngineWorker:
@@ -118,23 +200,39 @@ class EngineWorker:
     One background thread handles weight updates and generation requests in the order they were
     sent, so a batch submitted after version v is generated with v or a later version, which is
     what `RolloutPipeline`'s staleness bound needs; the version a batch actually used is reported.
+
+    A weight update that fails (the server refuses the adapter, or is gone) stops the worker: no
+    later batch is generated with the older weights, and the update's own error is raised by
+    the next `update_weights` or `result`, so the trainer stops with its cause.
     """
 
     def __init__(self, engine, publisher: WeightPublisher, generation_config):
         self.engine, self.publisher, self.generation_config = engine, publisher, generation_config
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._futures: dict[int, Future] = {}
+        self._failure: BaseException | None = None  # of a weight update
 
     def update_weights(self, version: int, weights=None) -> None:
+        self._raise_failure()
         snapshot = self.publisher.snapshot(version)  # now, on the trainer's thread
-        self._thread.submit(self.publisher.load, snapshot, version).add_done_callback(_raise)
+        self._thread.submit(self._load, snapshot, version)
+
+    def _load(self, snapshot, version: int) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.publisher.load(snapshot, version)
+        except BaseException as error:  # noqa: BLE001 - raised on the trainer's thread
+            self._failure = error
 
     def submit(self, index: int, prompts, seed: int) -> None:
+        self._raise_failure()
         self._futures[index] = self._thread.submit(self._generate, index, prompts, seed)
 
     def _generate(self, index, prompts, seed):
         from ..async_rollout import GeneratedBatch
 
+        self._raise_failure()
         version = self.publisher.version
         tensors = self.engine.generate(*prompts, self.generation_config, seed)
         return GeneratedBatch(index, version, *tensors)
@@ -142,12 +240,19 @@ class EngineWorker:
     def result(self, index: int):
         return self._futures.pop(index).result()
 
+    def call(self, function):
+        """`function()` run on the worker's thread, after everything submitted before it (so
+        never alongside a generation), and its result. How evaluations reach the engine while
+        the worker owns it."""
+        self._raise_failure()
+        return self._thread.submit(function).result()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
-
-
-def _raise(future: Future) -> None:
-    future.result()  # a failed weight update surfaces in the log at once, and again at result()
 
 
 @contextlib.contextmanager
@@ -184,28 +289,122 @@ def policy_for_generation(
             yield policy
 
 
-def engine_model_folder(model, tokenizer) -> str:
-    """A folder (or Hub id) from which vLLM can load `model`'s weights: where it came from, or a
-    temporary folder it is saved to when it was built in memory. Call before adding adapters."""
+# Config fields that fix the shapes of a checkpoint's tensors: where the model in memory differs
+# from its checkpoint in one (resized embeddings, say), the engine cannot start from that checkpoint.
+_SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+@dataclass
+class EngineModel:
+    """Where a colocated vLLM engine loads its model from, and how.
+
+    Attributes:
+        folder (`str`): a folder or Hub id with the model's config, tokenizer and weights.
+        temporary (`bool`): a copy saved for the engine, removed when the engine is closed.
+        quantization (`str`, *optional*): vLLM's `quantization` for a model loaded quantized
+            (bitsandbytes 4-bit, as TRL passes it); the engine quantizes the checkpoint itself.
+        revision (`str`, *optional*): the checkpoint's revision on the Hub.
+    """
+
+    folder: str
+    temporary: bool = False
+    quantization: str | None = None
+    revision: str | None = None
+
+    def __fspath__(self) -> str:
+        return self.folder
+
+    def __str__(self) -> str:
+        return self.folder
+
+
+def engine_model_folder(model, tokenizer) -> EngineModel:
+    """Where a colocated vLLM engine can load `model` from: the folder or Hub id it came from
+    when its tensors there have the shapes of the ones in memory, else a temporary copy saved
+    for the engine. Call before adding adapters.
+
+    The engine starts from these weights; the trainer then hands it the ones in memory on its
+    first publication (`WeightPublisher`), so a model changed in memory since it was loaded
+    samples with its own weights.
+    """
+    quantization = _vllm_quantization(model)
     name = getattr(model.config, "_name_or_path", "") or ""
-    if os.path.isdir(name) or (name and not name.startswith((".", "/")) and name.count("/") == 1):
-        return name
+    revision = getattr(model.config, "_commit_hash", None)
+    is_hub_id = name and not name.startswith((".", "/")) and name.count("/") == 1
+    if (os.path.isdir(name) or is_hub_id) and _same_shapes(name, model):
+        return EngineModel(name, quantization=quantization, revision=revision)
+    if quantization is not None:
+        raise ValueError(
+            f"The quantized model's config differs from its checkpoint {name!r} (or it has "
+            "none): a colocated vLLM engine quantizes the checkpoint itself and cannot start from "
+            "a changed quantized model. Save the model in full precision and load it from there, "
+            "or generate with use_vllm=False."
+        )
     folder = tempfile.mkdtemp(prefix="trl_grpo_ext-base-")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
+    return EngineModel(folder, temporary=True)
 
 
-def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
+def _same_shapes(name: str, model) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        saved = AutoConfig.from_pretrained(name).to_dict()
+    except (OSError, ValueError):
+        return False
+    ours = model.config.to_dict()
+    return all(saved.get(field) == ours.get(field) for field in _SHAPE_FIELDS)
+
+
+def _vllm_quantization(model) -> str | None:
+    """vLLM's name for the quantization `model` was loaded with (None when it is not)."""
+    if not getattr(model, "is_quantized", False):
+        return None
+    config = getattr(model.config, "quantization_config", None) or {}
+    method = config.get("quant_method") if isinstance(config, dict) else config.quant_method
+    method = str(getattr(method, "value", method) or "")
+    if method == "bitsandbytes" and getattr(model, "is_loaded_in_4bit", False):
+        return "bitsandbytes"
+    raise ValueError(
+        f"A colocated vLLM engine cannot sample from a model quantized with {method or 'this'} "
+        "method here (vLLM quantizes in flight with bitsandbytes 4-bit only). Load the model "
+        "with load_in_4bit, or unquantized, or generate with use_vllm=False."
+    )
+
+
+def lora_rank(peft_model) -> int | None:
+    """The largest LoRA rank of a `PeftModel`'s adapters, counting each `rank_pattern`; None
+    for a model without adapters."""
+    configs = getattr(peft_model, "peft_config", None)
+    if not configs:
+        return None
+    return max(
+        max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
+        for config in configs.values()
+    )
+
+
+def build_engine(args, policy, model_folder: EngineModel | str | None, lora_rank: int | None):
     """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings).
 
     Args:
         policy (`Callable[[], ContextManager]`): the trainer's model for generation, as
             `TransformersEngine` takes it.
-        model_folder (`str`, *optional*): the base weights for a colocated vLLM engine
-            (`engine_model_folder`).
-        lora_rank (`int`, *optional*): the adapters' rank under LoRA (vLLM reserves room for
-            adapters of that rank); None for full fine-tuning.
+        model_folder (`EngineModel` or `str`, *optional*): the base model of a colocated vLLM
+            engine (`engine_model_folder`).
+        lora_rank (`int`, *optional*): the adapters' largest rank under LoRA (vLLM reserves room
+            for adapters of that rank); None for full fine-tuning.
     """
     if not args.use_vllm:
         return TransformersEngine(policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
@@ -227,12 +426,25 @@ def build_engine(args, policy, model_folder: str | None, lora_rank: int | None):
         return engine
     from .vllm_colocate import VLLMColocateEngine
 
+    if not isinstance(model_folder, EngineModel):
+        model_folder = EngineModel(str(model_folder))
+    llm_kwargs = {}
+    if model_folder.quantization:
+        llm_kwargs["quantization"] = model_folder.quantization
+    if model_folder.revision and not os.path.isdir(model_folder.folder):
+        llm_kwargs["revision"] = model_folder.revision
     return VLLMColocateEngine(
-        model_folder,
+        model_folder.folder,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.vllm_max_model_length,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_lora_rank=lora_rank,
         seed=args.seed,
+        process_index=args.process_index,
+        local_process_index=args.local_process_index,
+        world_size=args.world_size,
+        remove_model_folder=model_folder.temporary,
+        takes_base_weights=model_folder.quantization is None,
+        llm_kwargs=llm_kwargs,
     )

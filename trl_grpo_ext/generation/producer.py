@@ -30,7 +30,7 @@ from ..checkpoints import ResumableWorker
 from ..rollout import Rollout, completion_mask_from_ids, generation_seed, pad_rollout
 from .engines import EngineWorker, TransformersEngine, WeightPublisher, build_engine
 from .prompts import PromptEncoder, is_conversational
-from .sampling import sampling_config_from_args
+from .sampling import end_at_stop_strings, sampling_config_from_args
 
 
 class RolloutProducer:
@@ -63,6 +63,8 @@ class RolloutProducer:
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
         self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
         self.publisher: WeightPublisher | None = None
         if not isinstance(self.engine, TransformersEngine):
             self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
@@ -74,6 +76,7 @@ class RolloutProducer:
         self._lookahead_source = None
         self._upcoming: dict[int, tuple] = {}  # index -> ((prompt_ids, prompt_mask), seed)
         self._threads_before: int | None = None
+        self._engine_worker: EngineWorker | None = None  # while it owns the engine
 
     # ------------------------------------------------------------ synchronous
 
@@ -87,14 +90,16 @@ class RolloutProducer:
 
     def generate(self, rows: list[dict], version: int) -> Rollout:
         """Samples `self.sampling.num_return_sequences` completions per row, now, with the
-        current weights. transformers samples from the global generator (seeded by the caller);
-        an engine with its own weights gets a seed drawn from it."""
+        weights of `version` (the current ones). transformers samples from the global generator
+        (seeded by the caller); an engine with its own weights gets a seed drawn from it.
+        While the asynchronous worker owns the engine (`evaluate()` during training), the
+        sampling runs on the worker's thread, in turn with its batches."""
         prompt_ids, prompt_mask = self.encode(rows)
         seed = None
         if self.publisher is not None:
-            self.publisher.publish(version)
             seed = int(torch.randint(0, 2**31 - 1, ()))
-        prompt_ids, prompt_mask, completion_ids, behaviour_logps = self.engine.generate(
+        engine = self.evaluation_engine(version)
+        prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, self.sampling, seed
         )
         return self.build_rollout(
@@ -102,12 +107,22 @@ class RolloutProducer:
         )
 
     def evaluation_engine(self, version: int):
-        """The engine for the evaluation harness, with the weights of `version`: this one, or
-        transformers in this process while the asynchronous worker is using the engine."""
-        if self.pipeline is not None and self.publisher is not None:
-            return TransformersEngine(self.policy, self.args.cast_lm_head_to_fp32)
+        """The engine to sample with outside the training schedule (evaluations), with the
+        weights of `version`: published now, or, while the asynchronous worker owns the engine,
+        published and sampled on the worker's thread, so that one thread alone uses the engine."""
+        if self._engine_worker is not None:
+            return _OnWorkerThread(self, version)
         self.publish(version)
         return self.engine
+
+    def _on_worker_thread(self, version: int, function):
+        """`function()` on the rollout worker's thread once the engine has the weights of
+        `version`; sends them first when the pipeline has not (as its next version)."""
+        pipeline = self.pipeline
+        if pipeline.sent_version is None or pipeline.sent_version < version:
+            self._engine_worker.update_weights(version)
+            pipeline.sent_version = version
+        return self._engine_worker.call(function)
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -125,6 +140,11 @@ class RolloutProducer:
         group_size = len(completion_ids) // len(rows)
         prompts = [row["prompt"] for row in rows]
         completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        if self.sampling.stop_strings:  # a stop string ends a completion as an eos does
+            completion_mask, stopped = end_at_stop_strings(
+                self.tokenizer, completion_ids, completion_mask, self.sampling.stop_strings
+            )
+            is_truncated = is_truncated & ~stopped
         pad = self.tokenizer.pad_token_id
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
         rollout = Rollout(
@@ -212,9 +232,19 @@ class RolloutProducer:
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
+            self._engine_worker = None
             if self._threads_before:
                 torch.set_num_threads(self._threads_before)
                 self._threads_before = None
+
+    def shutdown(self) -> None:
+        """Stops the rollout worker and closes the engine: a colocated vLLM engine frees its
+        memory and the temporary copy of the base model it was built on, and the published
+        adapter versions are deleted. Nothing can be generated afterwards."""
+        self.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self.engine.close()
 
     def _trainable_weights(self) -> dict[str, torch.Tensor]:
         """What the rollout worker needs to catch up: the adapter under LoRA, else all weights."""
@@ -226,6 +256,7 @@ class RolloutProducer:
         if self.publisher is not None:
             # The engine generates while the trainer trains; weights go to it as published.
             worker = EngineWorker(self.engine, self.publisher, self.generation_config)
+            self._engine_worker = worker
         else:
             model = self.model()
             if model.device.type != "cpu":
@@ -248,3 +279,17 @@ class RolloutProducer:
         self.restored = None
         self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
         return self.pipeline
+
+
+class _OnWorkerThread:
+    """The producer's engine seen from another thread while the rollout worker owns it: each
+    `generate` runs on the worker's thread, with the weights of `version`."""
+
+    def __init__(self, producer: RolloutProducer, version: int):
+        self.producer, self.version = producer, version
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        engine = self.producer.engine
+        return self.producer._on_worker_thread(
+            self.version, lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed)
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 
@@ -50,8 +51,81 @@ def sampling_config(
     )
     if greedy:
         settings.update(temperature=1.0, top_p=1.0, top_k=0, min_p=None)
-    settings.update(generation_kwargs or {})  # the user's overrides win
+    settings.update(_with_stop_strings(generation_kwargs or {}))  # the user's overrides win
     return GenerationConfig(**settings)
+
+
+def _with_stop_strings(generation_kwargs: dict) -> dict:
+    """`generation_kwargs` with vLLM's `stop` as transformers' `stop_strings` (a list).
+
+    TRL's vLLM-only keys work with every engine: `stop` stops `generate` and vLLM alike.
+    `include_stop_str_in_output` is kept for vLLM, where it only trims the text vLLM returns;
+    no engine here uses that text (the completion is decoded from the sampled token ids, stop
+    string included, as TRL decodes them too), so it changes nothing that is trained.
+    """
+    kwargs = dict(generation_kwargs)
+    if "stop" in kwargs:
+        if kwargs.get("stop_strings") is not None:
+            raise ValueError(
+                "generation_kwargs sets both 'stop' (vLLM's name) and 'stop_strings' "
+                "(transformers'); they are the same setting: keep one."
+            )
+        kwargs["stop_strings"] = kwargs.pop("stop")
+    stops = kwargs.get("stop_strings")
+    if isinstance(stops, str):
+        stops = kwargs["stop_strings"] = [stops]
+    if stops is not None and not (
+        isinstance(stops, (list, tuple)) and all(isinstance(stop, str) and stop for stop in stops)
+    ):
+        raise ValueError(
+            f"generation_kwargs stop={stops!r} must be a string or a list of non-empty strings."
+        )
+    if stops is not None and not stops:
+        kwargs["stop_strings"] = None
+    flag = kwargs.get("include_stop_str_in_output", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"generation_kwargs include_stop_str_in_output={flag!r} must be a bool.")
+    return kwargs
+
+
+def end_at_stop_strings(
+    tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor, stop_strings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ends each completion at the token that completes its first stop string, as the engines
+    stop (vLLM, and `generate` with `stop_strings`): that token is kept, the rest masked out.
+
+    The engines pad what follows a stop with the pad token, which the eos-based mask cannot tell
+    from sampled tokens; deciding here, from the decoded tokens, gives the same ends whichever
+    engine sampled (including one that kept sampling after the stop).
+
+    Args:
+        completion_ids, completion_mask (`torch.Tensor`): `(N, T)`, the mask up to the first eos.
+        stop_strings (`list[str]`): the `stop` of `generation_kwargs`.
+
+    Returns:
+        `(completion_mask, stopped)`: the mask cut after each stop, `(N, T)`, and `(N,)` True
+        where a stop string ended the completion.
+    """
+
+    def has_stop(ids):  # special tokens included, as `generate` and the vLLM engines match
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        return any(stop in text for stop in stop_strings)
+
+    mask = completion_mask.clone()
+    stopped = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
+    lengths = mask.sum(dim=1).tolist()
+    for row, length in enumerate(lengths):
+        ids = completion_ids[row, : int(length)].tolist()
+        if not has_stop(ids):
+            continue
+        # The shortest prefix that holds a stop (a longer prefix's text extends a shorter one's).
+        low, high = 1, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if has_stop(ids[:middle]) else (middle + 1, high)
+        mask[row, low:] = 0
+        stopped[row] = True
+    return mask, stopped
 
 
 def sampling_config_from_args(

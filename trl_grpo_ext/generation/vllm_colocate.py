@@ -18,11 +18,61 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+import weakref
 
 import numpy as np
 import torch
 
 from .vllm_sampling import prompt_seeds, sampling_params, to_tensors, unpadded_prompts
+
+# vLLM's `LoRAConfig.max_lora_rank` takes only these values.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def supported_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds adapters of rank `rank`."""
+    for supported in VLLM_LORA_RANKS:
+        if supported >= rank:
+            return supported
+    raise ValueError(
+        f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}): "
+        f"lower lora_r (and any rank_pattern) to {VLLM_LORA_RANKS[-1]} or less, or generate "
+        "with use_vllm=False."
+    )
+
+
+def check_cpu_head_size(model) -> None:
+    """Fails before vLLM starts when its CPU attention has no kernel for `model`'s head size
+    (vLLM's own error comes from deep inside the first forward pass)."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(str(model))
+    config = getattr(config, "text_config", None) or config
+    head_size = (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"vLLM's CPU build has no attention kernel for head size {head_size} (hidden_size "
+            f"{config.hidden_size} / {config.num_attention_heads} heads of {model}); it supports "
+            f"{supported}. Use a model with one of these head sizes (the recipes' embedded tiny "
+            "model: --tiny_num_attention_heads 2, heads of 32), or generate with use_vllm=False."
+        )
+
+
+def _distributed_settings(process_index: int, local_process_index: int, world_size: int) -> dict:
+    """What vLLM needs to build one engine per training process, as TRL does: the process's own
+    rank and device, over the launcher's (`accelerate launch`, torchrun) process group."""
+    from trl.trainer.utils import ensure_master_addr_port
+
+    os.environ["RANK"] = str(process_index)
+    os.environ["LOCAL_RANK"] = str(local_process_index)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    ensure_master_addr_port()
+    return dict(distributed_executor_backend="external_launcher")
 
 
 @contextlib.contextmanager
@@ -79,6 +129,15 @@ class VLLMColocateEngine:
             CPU, where the log-probs then differ from the trainer's by up to 0.1.)
         seed (`int`, *optional*, defaults to 0):
             The engine's seed (each `generate` call takes its own seed too).
+        process_index, local_process_index, world_size (`int`, *optional*):
+            This training process among `world_size` (Accelerate's). With several processes each
+            builds its own engine on its own device, as TRL does: vLLM's `external_launcher`
+            backend, over the process group the trainer already has.
+        remove_model_folder (`bool`, *optional*, defaults to `False`):
+            `model` is a temporary copy made for this engine; `close` removes it.
+        takes_base_weights (`bool`, *optional*, defaults to `True`):
+            `load_weights` may replace the base weights under LoRA (False for a quantized model,
+            whose weights vLLM quantizes itself).
         llm_kwargs (`dict`, *optional*):
             Further `vllm.LLM` arguments (e.g. `dtype`), over the ones above.
     """
@@ -94,12 +153,21 @@ class VLLMColocateEngine:
         max_lora_rank: int | None = None,
         dtype: str | None = None,
         seed: int = 0,
+        process_index: int = 0,
+        local_process_index: int = 0,
+        world_size: int = 1,
+        remove_model_folder: bool = False,
+        takes_base_weights: bool = True,
         llm_kwargs: dict | None = None,
     ):
+        if remove_model_folder:  # even when the engine fails to start, or is never closed
+            self._remove_folder = weakref.finalize(self, shutil.rmtree, str(model), True)
         from vllm import LLM
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            check_cpu_head_size(model)
         if enable_sleep_mode and on_cpu:
             raise ValueError(
                 "vllm_enable_sleep_mode needs a GPU; vLLM's CPU build has no sleep mode. "
@@ -121,11 +189,15 @@ class VLLMColocateEngine:
         if not on_cpu:
             settings["gpu_memory_utilization"] = gpu_memory_utilization
         if max_lora_rank is not None:
+            max_lora_rank = supported_lora_rank(max_lora_rank)
             settings.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if world_size > 1:
+            settings.update(_distributed_settings(process_index, local_process_index, world_size))
         settings.update(llm_kwargs or {})
         with _process_state_kept():
             self.llm = LLM(**settings)
         self.max_lora_rank = max_lora_rank
+        self.takes_base_weights = takes_base_weights
         self.enable_sleep_mode = enable_sleep_mode
         self.adapter = None  # the LoRARequest of the latest published version
         self.adapter_version = None
@@ -154,12 +226,18 @@ class VLLMColocateEngine:
         if self.enable_sleep_mode:
             torch.cuda.empty_cache()  # the trainer's cached blocks, for the engine to wake into
             self.llm.wake_up()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts],
-            sampling_params=params,
-            lora_request=self.adapter,
-            use_tqdm=False,
-        )
+        try:
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": ids} for ids in prompts],
+                sampling_params=params,
+                lora_request=self.adapter,
+                use_tqdm=False,
+            )
+        except BaseException:
+            # The failed call's requests stay queued in the engine, and the next `generate`
+            # would wait on them forever: drop them, so a failure is an error, never a hang.
+            self._abort_unfinished()
+            raise
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)
         completions, logprobs = [], []
@@ -221,3 +299,22 @@ class VLLMColocateEngine:
         self.llm.reset_prefix_cache()
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        """Drops the engine and removes the temporary copy of the base model it was built on.
+        Nothing may be generated afterwards.
+
+        vLLM's own shutdown is not called, nor is the engine collected at once: in this process
+        either tears down vLLM's process-wide parallel state and `torch.distributed`'s default
+        group, which the trainer (and any other engine of the process) still uses. Its memory
+        returns when the process ends."""
+        self.llm = None
+        if hasattr(self, "_remove_folder"):
+            self._remove_folder()
+
+    def _abort_unfinished(self) -> None:
+        engine = self.llm.llm_engine
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            unfinished = list(engine.output_processor.request_states)
+            if unfinished:
+                engine.abort_request(unfinished, internal=True)

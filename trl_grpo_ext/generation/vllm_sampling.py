@@ -38,6 +38,8 @@ HONOURED_FIELDS = {
     "output_scores",
     "return_dict_in_generate",
     "transformers_version",
+    "stop_strings",  # vLLM's `stop`
+    "include_stop_str_in_output",  # vLLM's own (see `sampling._with_stop_strings`)
 }
 
 
@@ -74,7 +76,9 @@ def sampling_fields(generation_config: GenerationConfig, seed: int | None) -> di
     Greedy decoding is `temperature=0`. `top_k=0` (or None) and `min_p=None` disable those filters
     in both libraries. Only the eos ids of the config stop a sequence (`ignore_eos=True` keeps
     the checkpoint's own eos out; `stop_token_ids` still stop), and the stop token is kept in
-    the output, as `generate` keeps it.
+    the output, as `generate` keeps it. `stop_strings` are vLLM's `stop`: the tokens up to the
+    one that completes a stop string are returned (whatever `include_stop_str_in_output` says,
+    which only trims vLLM's text).
     """
     check_supported(generation_config)
     greedy = not generation_config.do_sample
@@ -91,6 +95,10 @@ def sampling_fields(generation_config: GenerationConfig, seed: int | None) -> di
         ignore_eos=True,
         seed=seed,
         logprobs=0,  # the sampled token's log-prob only
+        stop=list(generation_config.stop_strings or []),
+        include_stop_str_in_output=bool(
+            getattr(generation_config, "include_stop_str_in_output", False)
+        ),
     )
 
 
@@ -101,7 +109,10 @@ def sampling_params(generation_config: GenerationConfig, seed: int | None = None
     """
     from vllm import SamplingParams
 
-    return SamplingParams(**sampling_fields(generation_config, seed), detokenize=False)
+    fields = sampling_fields(generation_config, seed)
+    # vLLM matches stop strings on its detokenized text (no text is needed without them), here
+    # with the special tokens in it, as the server requests and `generate` match them.
+    return SamplingParams(**fields, detokenize=bool(fields["stop"]), skip_special_tokens=False)
 
 
 def prompt_seeds(seed: int | None, num_prompts: int, group_size: int) -> list[int | None]:

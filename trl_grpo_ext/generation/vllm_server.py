@@ -13,18 +13,34 @@ adapter versions (`/v1/load_lora_adapter`, the server started with `--enable-lor
 the same path. A server has no way to take full weights: full fine-tuning needs the colocated
 engine.
 
-A request that fails to connect, times out, or meets a restarting server (HTTP 5xx) is retried
-`retries` times, waiting `backoff`, 2 * `backoff`, ... seconds; then a `ConnectionError` names
-the URL. Only `urllib` from the standard library is used.
+What the engine checks, so that a server set up differently from the trainer is an error that
+says what to change, never a silent bias:
+
+- before the first batch, that the server's log-probs are those of the sampling distribution
+  (`--logprobs-mode processed_logprobs`): the importance-sampling correction divides by them;
+- before each adapter is published, that the server still serves the model it served at the
+  start: a server restarted with another model would otherwise go on with other base weights.
+
+A server that stops answering (connection refused or dropped, HTTP 502/503/504: down or
+restarting) is waited for up to `timeout` seconds (`vllm_server_timeout`, also the start-up wait),
+retrying with a doubling back-off; a restarted server with the same model gets the latest
+adapter again and the run goes on. A request the server fails (HTTP 500) is retried twice; one
+that gets no answer within `request_timeout` seconds is not retried (the server is overloaded or
+stuck, and a second copy of the request would only add to its work). Each ends in a
+`VLLMServerError` that names the URL and the cause. Only `urllib` from the standard library is
+used.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 from .vllm_sampling import (
@@ -35,9 +51,18 @@ from .vllm_sampling import (
     unpadded_prompts,
 )
 
+RETRIES_ON_SERVER_ERROR = 2  # HTTP 500: the server is up but failed; a bug rarely goes away
+UNAVAILABLE = (502, 503, 504)  # a proxy with no server behind it, or a server starting up
+PROBE_TEMPERATURE = 0.5
+
 
 class VLLMServerError(ConnectionError):
-    """The vLLM server did not answer within the retry bound, or refused a request."""
+    """The vLLM server did not answer within the bounds, refused a request, or is set up in a way
+    that would make training wrong. `status` is the HTTP status, when the server answered."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class VLLMServerEngine:
@@ -48,11 +73,15 @@ class VLLMServerEngine:
             The server's address, e.g. `http://127.0.0.1:8000` (TRL's `vllm_server_base_url`, or
             `http://{vllm_server_host}:{vllm_server_port}`).
         timeout (`float`, *optional*, defaults to 240):
-            Seconds to wait for the server at start-up (`wait_until_ready`) and for one request.
-        retries (`int`, *optional*, defaults to 3):
-            Attempts after the first for a request that fails to connect, times out or gets a 5xx.
+            Seconds to wait for the server to come up (`wait_until_ready`), as TRL's
+            `vllm_server_timeout`; also how long a server that stops answering in the middle of a
+            run is waited for (long enough for a restart) before the run fails.
+        request_timeout (`float`, *optional*, defaults to 600):
+            Seconds to wait for the answer to one request (one prompt's `n` completions).
         backoff (`float`, *optional*, defaults to 1.0):
-            Seconds before the first retry; doubled each time.
+            Seconds before the first retry; doubled each time, up to `max_backoff`.
+        max_backoff (`float`, *optional*, defaults to 5.0):
+            The longest wait between two retries (a server coming back is noticed soon).
         max_concurrent_requests (`int`, *optional*, defaults to 32):
             Prompts in flight at once (the server batches them).
         adapter_prefix (`str`, *optional*, defaults to `"adapter"`):
@@ -67,34 +96,37 @@ class VLLMServerEngine:
         base_url: str,
         *,
         timeout: float = 240.0,
-        retries: int = 3,
+        request_timeout: float = 600.0,
         backoff: float = 1.0,
+        max_backoff: float = 5.0,
         max_concurrent_requests: int = 32,
         adapter_prefix: str = "adapter",
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
+        self.request_timeout = request_timeout
+        self.backoff, self.max_backoff = backoff, max_backoff
         self.max_concurrent_requests = max_concurrent_requests
         self.adapter_prefix = adapter_prefix
         self.adapter_name = None  # the latest published adapter version, as the server names it
         self.adapter_version = None
-        self._model = None
+        self._adapter_dir = None  # its folder, to load it again into a restarted server
+        self._served = None  # (name, root) of the base model the server served first
+        self._logprobs_checked = False
+        self._reload_lock = threading.Lock()
 
     # --- HTTP ---------------------------------------------------------------------------------
-    def _request(self, path: str, payload: dict | None = None, *, retries: int | None = None):
+    def _request(self, path: str, payload: dict | None = None):
+        """One request, retried while the server is unreachable or restarting (for up to
+        `timeout` seconds) and twice on HTTP 500."""
         url = f"{self.base_url}{path}"
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        retries = self.retries if retries is None else retries
-        last_error = None
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        deadline, delay, server_errors = None, self.backoff, 0
+        while True:
             request = urllib.request.Request(url, data=data, headers=headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                     body = response.read().decode(errors="replace")
                 try:
                     return json.loads(body)
@@ -102,43 +134,71 @@ class VLLMServerEngine:
                     return body
             except urllib.error.HTTPError as error:
                 message = error.read().decode(errors="replace")
-                if error.code < 500:  # the server answered: retrying would not change it
+                if error.code == 500 and server_errors < RETRIES_ON_SERVER_ERROR:
+                    server_errors += 1
+                elif error.code not in UNAVAILABLE:  # retrying would not change the answer
+                    verb = "failed" if error.code >= 500 else "refused"
                     raise VLLMServerError(
-                        f"The vLLM server at {url} refused the request (HTTP {error.code}): "
-                        f"{message}"
+                        f"The vLLM server at {url} {verb} the request (HTTP {error.code}): "
+                        f"{message}",
+                        status=error.code,
                     ) from None
-                last_error = f"HTTP {error.code}: {message}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
-                last_error = repr(getattr(error, "reason", error))
-        raise VLLMServerError(
-            f"The vLLM server at {url} did not answer after {retries + 1} attempts "
-            f"({last_error}). Check that it is running and reachable (vllm_server_base_url)."
-        )
+                cause = f"HTTP {error.code}: {message}"
+            except TimeoutError:  # connected, but no answer in time
+                raise VLLMServerError(
+                    f"The vLLM server at {url} did not answer within {self.request_timeout:g} s. "
+                    "It is overloaded or stuck: check its log, or lower max_concurrent_requests "
+                    "or the completion length."
+                ) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+                cause = repr(getattr(error, "reason", error))  # refused, dropped, unreachable
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout
+            if now >= deadline:
+                raise VLLMServerError(
+                    f"The vLLM server at {url} did not answer for {self.timeout:g} s "
+                    f"(vllm_server_timeout; last: {cause}). Check that it is running and "
+                    "reachable (vllm_server_base_url), then resume from the last checkpoint."
+                )
+            time.sleep(min(delay, deadline - now))
+            delay = min(2 * delay, self.max_backoff)
 
     def wait_until_ready(self) -> None:
         """Waits up to `timeout` seconds for the server's `/health` to answer."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self._request("/health", retries=0)
-                return
-            except VLLMServerError:
-                if time.monotonic() > deadline:
-                    raise VLLMServerError(
-                        f"The vLLM server at {self.base_url} was not up after {self.timeout} s. "
-                        "Start it first (python -m vllm.entrypoints.openai.api_server ...)."
-                    ) from None
-                time.sleep(1.0)
+        try:
+            self._request("/health")
+        except VLLMServerError as error:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} was not up after {self.timeout:g} s "
+                "(vllm_server_timeout). Start it first (python -m "
+                f"vllm.entrypoints.openai.api_server ...). ({error})"
+            ) from None
+
+    def _base_model(self) -> tuple[str, str]:
+        """`(name, root)` of the base model the server serves now."""
+        models = self._request("/v1/models")["data"]
+        base = next((entry for entry in models if not entry.get("parent")), models[0])
+        return base["id"], base.get("root") or base["id"]
 
     @property
     def model(self) -> str:
         """The base model's name on the server."""
-        if self._model is None:
-            models = self._request("/v1/models")["data"]
-            self._model = next(
-                (entry["id"] for entry in models if not entry.get("parent")), models[0]["id"]
+        if self._served is None:
+            self._served = self._base_model()
+        return self._served[0]
+
+    def check_same_model(self) -> None:
+        """Raises if the server now serves another base model than the one it served first:
+        it was restarted with another `--model`, and would generate from other weights."""
+        first = self._served
+        now = self._served = self._base_model()
+        if first is not None and now != first:
+            self._served = first
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} now serves {now[1]!r}, not {first[1]!r} "
+                "that this run started with: it was restarted with a different model. Restart "
+                f"it with --model {first[1]} and resume from the last checkpoint."
             )
-        return self._model
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
@@ -151,6 +211,8 @@ class VLLMServerEngine:
         """
         group_size = generation_config.num_return_sequences or 1
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        if not self._logprobs_checked:
+            self.check_logprobs_mode(prompts[0])
         seeds = prompt_seeds(seed, len(prompts), group_size)
         model = self.adapter_name or self.model
         payloads = [
@@ -159,13 +221,83 @@ class VLLMServerEngine:
         ]
         workers = max(1, min(self.max_concurrent_requests, len(payloads)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            responses = list(pool.map(lambda p: self._request("/v1/completions", p), payloads))
+            responses = list(pool.map(self._complete, payloads))
         completions, logprobs = [], []
         for response in responses:
             for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
                 completions.append(list(choice["token_ids"]))
                 logprobs.append([float(value) for value in choice["logprobs"]["token_logprobs"]])
         return to_tensors(prompt_ids, prompt_mask, completions, logprobs, generation_config)
+
+    def _complete(self, payload: dict) -> dict:
+        try:
+            return self._request("/v1/completions", payload)
+        except VLLMServerError as error:
+            # A 404 for our adapter: the server was restarted (and lost it) since it was loaded.
+            if error.status != 404 or payload["model"] != self.adapter_name:
+                raise
+        self._reload_adapter(payload["model"])
+        return self._request("/v1/completions", payload)
+
+    def _reload_adapter(self, name: str) -> None:
+        """Loads the latest adapter again into a server that restarted with the same model."""
+        with self._reload_lock:  # the other prompts of the batch meet the same 404
+            self.check_same_model()
+            served = {entry["id"] for entry in self._request("/v1/models")["data"]}
+            if name in served:
+                return
+            warnings.warn(
+                f"The vLLM server at {self.base_url} was restarted: loading adapter {name} again.",
+                stacklevel=2,
+            )
+            self._load_adapter(name, self._adapter_dir)
+
+    def check_logprobs_mode(self, prompt: list[int]) -> None:
+        """Raises unless the server's log-probs are those of the distribution it samples from
+        (after temperature), i.e. it runs with `--logprobs-mode processed_logprobs`.
+
+        Asks for the top-5 log-probs of the next token at temperature 1 and at
+        `PROBE_TEMPERATURE`. Processed log-probs are `log softmax(z / T)`, so the gap between
+        two tokens grows by 1 / T; raw ones (vLLM's default) do not depend on T. A model whose
+        top tokens tie cannot tell the two apart and is let through.
+        """
+        gaps = []
+        for temperature in (1.0, PROBE_TEMPERATURE):
+            payload = dict(
+                model=self.model,
+                prompt=prompt,
+                max_tokens=1,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                seed=0,
+                logprobs=5,
+                return_tokens_as_token_ids=True,
+            )
+            top = self._request("/v1/completions", payload)["choices"][0]["logprobs"]
+            gaps.append(top["top_logprobs"][0])
+        at_one, at_probe = gaps
+        shared = sorted(set(at_one) & set(at_probe), key=lambda token: -at_one[token])
+        values = [at_one[token] for token in shared] + [at_probe[token] for token in shared]
+        if any(value > 1e-4 for value in values):
+            self._logprobs_error("logits, not log-probs (--logprobs-mode *_logits)")
+        if len(shared) >= 2:
+            first, last = shared[0], shared[-1]
+            gap_one = at_one[first] - at_one[last]
+            gap_probe = at_probe[first] - at_probe[last]
+            if gap_one > 1e-3 and gap_probe < gap_one * (1 + 1 / PROBE_TEMPERATURE) / 2:
+                self._logprobs_error("log-probs from before temperature (raw_logprobs)")
+        self._logprobs_checked = True
+
+    def _logprobs_error(self, what: str) -> None:
+        raise VLLMServerError(
+            f"The vLLM server at {self.base_url} returns {what}: the importance-sampling "
+            "correction needs the log-probs of the distribution it samples from, after "
+            "temperature and top-k/top-p/min-p, and would be silently biased. Restart the server "
+            "with --logprobs-mode processed_logprobs."
+        )
 
     @staticmethod
     def _completion_payload(prompt: list[int], generation_config, seed, model) -> dict:
@@ -186,7 +318,19 @@ class VLLMServerEngine:
         later `generate` calls use; the previous version is unloaded. A version the server
         already has (published again after a resume, by this engine or by the run that stopped
         while the server stayed up) is replaced in place."""
+        self.check_same_model()
         name = f"{self.adapter_prefix}-v{version}"
+        self._load_adapter(name, adapter_dir)
+        previous = self.adapter_name
+        self.adapter_name, self.adapter_version, self._adapter_dir = name, version, adapter_dir
+        if previous is not None and previous != name:
+            try:
+                self._request("/v1/unload_lora_adapter", {"lora_name": previous})
+            except VLLMServerError as error:
+                if error.status != 404:  # 404: a restarted server no longer has it
+                    raise
+
+    def _load_adapter(self, name: str, adapter_dir) -> None:
         # In place always: a name that is not loaded yet is simply loaded, and one that is gets
         # the new weights, where vLLM would refuse a second load of the name.
         payload = dict(lora_name=name, lora_path=os.path.abspath(adapter_dir), load_inplace=True)
@@ -194,9 +338,6 @@ class VLLMServerEngine:
             self._request("/v1/load_lora_adapter", payload)
         except VLLMServerError as error:
             raise self._adapter_error(error, adapter_dir) from None
-        previous, self.adapter_name, self.adapter_version = self.adapter_name, name, version
-        if previous is not None and previous != name:
-            self._request("/v1/unload_lora_adapter", {"lora_name": previous})
 
     def _adapter_error(self, error: VLLMServerError, adapter_dir) -> VLLMServerError:
         message = str(error)
@@ -205,13 +346,15 @@ class VLLMServerEngine:
             return VLLMServerError(
                 f"The adapter's LoRA rank {rank} is above the --max-lora-rank of the vLLM server "
                 f"at {self.base_url}: restart the server with --max-lora-rank {rank} (or more), "
-                f"or train with a smaller lora_r. ({message})"
+                f"or train with a smaller lora_r. ({message})",
+                status=error.status,
             )
-        if "HTTP 404" in message or "HTTP 405" in message or "not enabled" in message.lower():
+        if error.status in (404, 405) or "not enabled" in message.lower():
             return VLLMServerError(
                 f"The vLLM server at {self.base_url} cannot load LoRA adapters: start it with "
                 "--enable-lora --max-lora-rank R and the environment variable "
-                f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. ({message})"
+                f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. ({message})",
+                status=error.status,
             )
         return error
 

@@ -7,19 +7,31 @@ import torch. `score()` is also called in-process when worker processes are disa
 
 What is compared (documented for users in docs/rewards.md):
 
+0. The reference: a GSM8K answer (the number after `####`), a solution with `\\boxed{}` (the last
+   box), or a bare answer, read as LaTeX unless it holds words ("72 dollars", "The answer is 18"
+   are read as text, as math-verify reads a completion). A reference with nothing to parse ("The
+   cat sat.") gives None, never 0.0. LaTeX thousands separators (`10\\,000`, `10{,}000`,
+   `10,\\!000`) are removed from the reference and the answer alike: LaTeX reads `10\\,000` as
+   10*000.
 1. The answer section is the text after the last `</think>` (the whole text when there is none).
 2. If it holds complete `\\boxed{...}` (or `\\fbox{...}`) answers, the last one is the answer; more
    than `max_distinct_boxed` distinct boxed answers (compared as text without spaces) is a hedge
-   and scores 0.0. Otherwise, the text after the last `####` (GSM8K style) is the answer;
-   otherwise math-verify searches the last `TAIL_CHARS` characters ("answer is ...", the last
-   number or LaTeX expression).
+   and scores 0.0. A boxed answer that is one number with commas or spaces between groups of
+   three digits (`1,234`, `10 000`) is that number. Otherwise, the text after the last `####`
+   (GSM8K style) is the answer; otherwise math-verify searches the last `TAIL_CHARS` characters
+   ("answer is ...", the last number or LaTeX expression). With a single-number reference,
+   comma-grouped digits anywhere in the answer are one number (`= 58,500`, which LaTeX would
+   read as the set {58, 500}).
 3. Without a boxed answer and with a single-number reference, a list of three or more distinct
    numbers that ends the completion or follows "answer"/"####" is a hedge and scores 0.0:
    math-verify would pick one of them (the first after "answer", else the last).
-4. With a single-number reference, an answer that is unevaluated arithmetic on numbers (`52 + 6`,
-   `52*6`, `2^2`) scores 0.0: math-verify parses without evaluating and `verify` then finds
-   `52 + 6` equal to 58, so restating the question ("What is 52 + 6?" -> "The answer is 52 + 6.")
-   would be paid as a right answer. Fractions (`104/2`) and powers of ten stay answers.
+4. With a single-number reference, an answer whose compared value is unevaluated arithmetic on
+   numbers (`52 + 6`, `52*6`, `2^2`) scores 0.0: math-verify parses without evaluating and
+   `verify` then finds `52 + 6` equal to 58, so restating the question ("What is 52 + 6?" ->
+   "The answer is 52 + 6.") would be paid as a right answer. The compared value is what `verify`
+   compares with a number: the last right-hand side of an equation or chain (`52 + 6 = 58` ->
+   58, a right answer; `x = 52 + 6` -> `52 + 6`), else the whole answer. Fractions (`104/2`) and
+   powers of ten stay answers.
 5. Cheap caps run before math-verify so that it never sees an input that explodes: an answer over
    `MAX_ANSWER_CHARS` characters, nesting deeper than `MAX_NESTING`, or a parsed number with more
    than `MAX_DIGITS` digits (`10^{10^{10}}`, which sympy would compute in C, beyond any signal)
@@ -53,7 +65,19 @@ _ANCHOR_BEFORE = re.compile(r"(?i:answer|####|\bis\b|=)[^\n]{0,60}$")
 _TRAILING = re.compile(r"[\s.!$)\]}*]*$")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _MATH_DOLLAR = re.compile(r"(?<!\\)\$")
-_THOUSANDS = re.compile(r"^\s*-?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?\s*$")
+# Thousands separators. LaTeX's spacings (`10\,000`, `10{,}000`, `10,\!000`) count anywhere
+# between groups of 3 digits: the LaTeX parser reads `10\,000` as 10*000 = 0. A comma or a plain
+# space only counts in a boxed answer that is one number, since elsewhere it separates items.
+_GROUP_SEPARATOR = r"(?:\{,\}|,\\!\s*|\\[,;: ]|~|[\u00a0\u2009\u202f])"
+_GROUPED_DIGITS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)")
+_THOUSANDS = re.compile(rf"-?\d{{1,3}}(?:(?:{_GROUP_SEPARATOR}|,| )\d{{3}})+(?:\.\d+)?")
+_ANY_SEPARATOR = re.compile(rf"{_GROUP_SEPARATOR}|[, ]")
+_COMMA_GROUPS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
+# A bare reference is LaTeX unless it holds words (outside commands and `\text{}`): as LaTeX,
+# "72 dollars" is 72 times the letters of "dollars", and a sentence is a product of its letters.
+_TEXT_GROUP = re.compile(r"\\(?:text\w*|mbox|mathrm|operatorname|begin|end)\s*\{[^{}]*\}")
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
 
 
 class Deadline(BaseException):
@@ -110,11 +134,24 @@ def nesting_depth(text: str) -> int:
     return deepest
 
 
+def join_digit_groups(text: str) -> str:
+    r"""Remove LaTeX thousands separators between groups of 3 digits: `10\,000`, `10{,}000`,
+    `10,\!000`, `10~000` -> `10000`."""
+    return _GROUPED_DIGITS.sub(lambda match: _ANY_SEPARATOR.sub("", match.group()), text)
+
+
+def reads_as_text(text: str) -> bool:
+    """True when a bare reference holds words: two or more runs of letters, or one of four or more
+    letters, outside LaTeX commands and `\\text{}` (`ab`, `xyz` and `2\\pi r` stay algebra)."""
+    words = _WORD.findall(_LATEX_COMMAND.sub(" ", _TEXT_GROUP.sub(" ", text)))
+    return len(words) >= 2 or any(len(word) >= 4 for word in words)
+
+
 @lru_cache(maxsize=4096)
 def parse_reference(reference: str) -> tuple | None:
     r"""Parse a reference answer: GSM8K (`... #### 72`), a solution with `\boxed{}` (MATH), or a
     bare answer (`\frac{1}{2}`, `72`). Returns None when no mathematical object can be parsed."""
-    text = reference.strip()
+    text = join_digit_groups(reference.strip())
     if "####" in text:
         text = text.rsplit("####", 1)[1].strip().replace(",", "")
         parsed = _parse(text, latex_first=False)
@@ -123,6 +160,8 @@ def parse_reference(reference: str) -> tuple | None:
         parsed = _parse(f"\\boxed{{{boxed[-1][0]}}}") if boxed else _parse(text)
     elif _MATH_DOLLAR.search(text):  # already has $...$ math (a \$ is a currency sign)
         parsed = _parse(text)
+    elif reads_as_text(text):  # "The answer is 18", "72 dollars": no LaTeX product of letters
+        parsed = _parse(text, latex_first=False)
     else:
         parsed = _parse(f"${text}$") or _parse(text, latex_first=False)
     import sympy
@@ -193,10 +232,23 @@ def _value(expr) -> float:
     return value.real if value.imag == 0 else abs(value)
 
 
+def compared_value(item):
+    """What `verify` compares with a reference that is not an equation: the last right-hand side
+    of an equation or a chain of them (`52 + 6 = 58` -> `58`, `a = b = 52 + 6` -> `52 + 6`), else
+    the item itself. Mirrors math-verify's grader, which unwraps equations the same way."""
+    import sympy
+
+    relations = getattr(item, "_unsorted_args", item.args) if isinstance(item, sympy.And) else ()
+    if relations and all(isinstance(relation, sympy.Eq) for relation in relations):
+        return relations[-1].rhs
+    return item.rhs if isinstance(item, sympy.Eq) else item
+
+
 def unevaluated_arithmetic(parsed) -> bool:
-    """True when a parsed answer holds arithmetic left undone on plain numbers: a sum (`52 + 6`,
-    `58 - 6`), a product of two numbers (`52*6`), or a power of a number other than ten
-    (`2^2`). A fraction (`1/2`, a product with a power -1) and `10^3` are not."""
+    """True when the value that `verify` compares (`compared_value`) holds arithmetic left undone
+    on plain numbers: a sum (`52 + 6`, `58 - 6`), a product of two numbers (`52*6`), or a power of
+    a number other than ten (`2^2`). A fraction (`1/2`, a product with a power -1) and `10^3` are
+    not, and neither is worked arithmetic that ends in its result (`52 + 6 = 58`)."""
     import sympy
 
     def is_number(node):  # 6, or -6 written as (-1)*6 by the unevaluated parser
@@ -210,7 +262,7 @@ def unevaluated_arithmetic(parsed) -> bool:
     for item in parsed:
         if not isinstance(item, sympy.Basic):
             continue
-        for node in sympy.preorder_traversal(item):
+        for node in sympy.preorder_traversal(compared_value(item)):
             if isinstance(node, sympy.Add) and len(numbers(node)) >= 2:
                 return True
             if isinstance(node, sympy.Mul) and len([n for n in numbers(node) if n != -1]) >= 2:
@@ -258,13 +310,13 @@ def extract_answer(completion: str, max_distinct_boxed: int = 1) -> tuple[str | 
         answer = answer.strip().rstrip(".").strip()
         if len(answer) > MAX_ANSWER_CHARS or depth > MAX_NESTING:
             return None, "boxed answer too long or too deeply nested"
-        if _THOUSANDS.match(answer):
-            answer = answer.replace("{,}", "").replace(",", "")
-        return answer, "boxed"
+        if _THOUSANDS.fullmatch(answer):
+            return _ANY_SEPARATOR.sub("", answer), "boxed"
+        return join_digit_groups(answer), "boxed"
     if "####" in section:
         answer = section.rsplit("####", 1)[1].strip().split("\n", 1)[0]
-        return answer[:MAX_ANSWER_CHARS], "####"
-    return section[-TAIL_CHARS:], "tail"
+        return join_digit_groups(answer[:MAX_ANSWER_CHARS]), "####"
+    return join_digit_groups(section[-TAIL_CHARS:]), "tail"
 
 
 def score(reference, completion: str, max_distinct_boxed: int = 1) -> tuple[float | None, str]:
@@ -279,6 +331,9 @@ def score(reference, completion: str, max_distinct_boxed: int = 1) -> tuple[floa
         return 0.0, note
     if nesting_depth(text) > MAX_NESTING:
         return 0.0, "answer too deeply nested"
+    number_reference = any(isinstance(item, _number_type()) for item in gold)
+    if number_reference:  # `= 58,500` is 58500, not the set {58, 500} that LaTeX reads there
+        text = _COMMA_GROUPS.sub(lambda match: match.group().replace(",", ""), text)
     if note != "boxed" and _is_scalar(gold) and _is_hedge(text):
         return 0.0, "hedge: list of candidate numbers"
     if note == "boxed":  # a plain number skips the (slow) LaTeX parser
@@ -290,7 +345,7 @@ def score(reference, completion: str, max_distinct_boxed: int = 1) -> tuple[floa
         return 0.0, "no answer found"
     if too_large(predicted):
         return 0.0, "answer too large to compute"
-    if any(isinstance(item, _number_type()) for item in gold) and unevaluated_arithmetic(predicted):
+    if number_reference and unevaluated_arithmetic(predicted):
         return 0.0, f"unevaluated arithmetic: {predicted[-1]}"[:200]
     correct = verify(list(gold), predicted, timeout_seconds=None)
     return (1.0 if correct else 0.0), f"{note}: {predicted[-1]}"[:200]

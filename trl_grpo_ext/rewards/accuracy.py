@@ -1,5 +1,6 @@
 r"""Math accuracy: 1.0 when the completion's final answer equals the reference, checked by
-math-verify (`parse` + `verify`), 0.0 otherwise, None when the reference itself cannot be parsed.
+math-verify (`parse` + `verify`), 0.0 otherwise, None when the reference itself cannot be parsed
+(as TRL's `accuracy_reward` does).
 
 Which part of the completion is the answer, and the rules against hedging, are in `_verify.py`
 and docs/rewards.md. Scoring runs in a small pool of worker processes (`_pool.py`), so that it
@@ -101,7 +102,8 @@ def math_accuracy_reward(
     The final answer is the last `\boxed{}` after the reasoning (`</think>`), else what follows
     `####`, else what math-verify finds at the end ("the answer is 72.", the last number). More
     than `max_distinct_boxed` different boxed answers, or a list of candidate numbers as the final
-    answer, scores 0.0.
+    answer, scores 0.0. Against a number, worked arithmetic that ends in its result
+    (`\boxed{52+6=58}`) is an answer; the arithmetic left undone (`\boxed{52+6}`) is not.
 
     Args:
         answer_column (`str`, *optional*):
@@ -122,6 +124,8 @@ def math_accuracy_reward(
         [1.0, 0.0]
         >>> reward(completions=[r"\boxed{1} \boxed{2} \boxed{3}", "   "], answer=["2", "2"])
         [0.0, 0.0]
+        >>> reward(completions=[r"\boxed{52+6=58}", r"\boxed{52+6}"], answer=["58", "58"])
+        [1.0, 0.0]
         >>> reward(completions=[[{"role": "assistant", "content": r"\boxed{\sqrt{2}}"}]],
         ...        solution=[r"so $x = \boxed{\sqrt 2}$"])
         [1.0]

@@ -93,7 +93,8 @@ def get_reward(spec, **kwargs) -> RewardFunc:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
             f"unknown reward {spec!r}.{hint} Registered rewards: {', '.join(list_rewards())}; "
-            "or give an import path such as 'my_pkg.rewards:my_reward'."
+            "or give an import path such as 'my_pkg.rewards:my_reward', or a reward model's "
+            "local folder or Hub id ('org/name')."
         )
     obj, is_factory = _REGISTRY[spec]
     if is_factory:
