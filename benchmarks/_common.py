@@ -348,7 +348,7 @@ def run_subprocess(spec: dict, timeout: float | None = None) -> dict:
         "WANDB_MODE": "disabled",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    if spec.get("engine_args"):
+    if spec.get("engine_args") and spec.get("device", DEFAULTS["device"]) == "cpu":
         env.update({name: env.get(name, value) for name, value in VLLM_CPU_ENV.items()})
     log_path = result_path.parent / "stderr.log"
     with open(log_path, "w") as log:

@@ -122,10 +122,10 @@ def main(script_args, training_args, model_args):
         best_dir=os.path.join(training_args.output_dir, "best") if script_args.keep_best else None,
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
-        # With vLLM, periodic evaluations sample with the trainer's engine too.
-        engine=(lambda step: trainer.rollouts.evaluation_engine(step))
-        if training_args.use_vllm
-        else None,
+        # The trainer's engine (vLLM, or transformers with ZeRO-3 weights gathered) and its
+        # saving (sharded weights gathered): every process evaluates a shard and saves.
+        engine=lambda step: trainer.rollouts.evaluation_engine(step),
+        save_model=lambda folder: trainer.save_model(folder),
         skip_last_step=True,  # the final evaluation below scores the same weights
     )
     trainer = GroupRelativeTrainer(
@@ -145,10 +145,10 @@ def main(script_args, training_args, model_args):
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
     )
+    # Every process evaluates a shard and records (the main process writes, all may save).
     is_main = trainer.accelerator.is_main_process
     before = evaluate_on_processes(trainer, eval_dataset, **eval_kwargs)
-    if is_main:
-        periodic.record(0, before, label="before")
+    periodic.record(0, before, label="before")
     print(f"before training: {before.summary()}", flush=True)
     trainer.train(resume_from_checkpoint=resume)
     after = evaluate_on_processes(
@@ -159,9 +159,8 @@ def main(script_args, training_args, model_args):
         temperature=training_args.temperature,
         **eval_kwargs,
     )
-    if is_main:
-        final_model = trainer.accelerator.unwrap_model(trainer.model)
-        periodic.record(trainer.state.global_step, after, model=final_model, label="after")
+    final_model = trainer.accelerator.unwrap_model(trainer.model)
+    periodic.record(trainer.state.global_step, after, model=final_model, label="after")
     print(f"after training: {after.summary()}", flush=True)
 
     # Save the adapter, the before/after table and the model card; then the reward curve, which

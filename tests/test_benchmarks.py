@@ -65,3 +65,24 @@ def test_table_ratios():
     table = common.table("m", {"ours": ours, "trl": trl})
     assert "| s per 1,000 generated tokens | 15.00 | 30.00 | 0.50 |" in table
     assert "| peak RSS (MiB) | 1 | 2 | 0.50 |" in table
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_cpu_settings_only_on_cpu(tmp_path, monkeypatch, device):
+    """vLLM's CPU settings (a 1 GiB KV cache, the engine in the trainer's process) on a GPU would
+    put the engine's memory into the trainer's peak-memory figure."""
+    common = load("_common")
+    seen = {}
+
+    def run(command, env, **kwargs):
+        seen.update(env)
+        (tmp_path / "run" / "result.json").write_text("{}")
+        return type("Done", (), {"returncode": 0})()
+
+    for name in common.VLLM_CPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(common.subprocess, "run", run)
+    spec = {"trainer": "ours", "device": device, "output_dir": str(tmp_path / "run")}
+    common.run_subprocess({**spec, "engine_args": {"use_vllm": True}})
+    on_cpu = {name: seen.get(name) for name in common.VLLM_CPU_ENV}
+    assert on_cpu == (common.VLLM_CPU_ENV if device == "cpu" else dict.fromkeys(on_cpu))

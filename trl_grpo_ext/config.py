@@ -66,6 +66,12 @@ def _has_accelerator() -> bool:
     )
 
 
+def deepspeed_zero_stage(args: TrainingArguments) -> int | None:
+    """The DeepSpeed ZeRO stage of a run (`accelerate launch` with a DeepSpeed config, or
+    `deepspeed=`), None without DeepSpeed."""
+    return getattr(getattr(args, "deepspeed_plugin", None), "zero_stage", None)
+
+
 @dataclass
 class GroupRelativeConfig(TrainingArguments):
     r"""
@@ -504,21 +510,29 @@ class GroupRelativeConfig(TrainingArguments):
             self.bf16 = bool(
                 not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
             )
-        # Non-reentrant checkpointing also works when the inputs do not require grad (LoRA).
-        # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_*.
-        name = (
-            "activation_checkpointing_kwargs"
-            if hasattr(self, "activation_checkpointing_kwargs")
-            else "gradient_checkpointing_kwargs"
-        )
-        if self.gradient_checkpointing_kwargs is None and getattr(self, name) is None:
-            setattr(self, name, {"use_reentrant": False})
         super().__post_init__()
+        self._default_checkpointing_kwargs()
         if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate()
+
+    def _default_checkpointing_kwargs(self):
+        """`use_reentrant`, when not given: non-reentrant checkpointing, which also works when the
+        inputs do not require grad (LoRA), except under DeepSpeed ZeRO-3, whose partitioned
+        weights with LoRA need the reentrant one (transformers#47254; TRL forces it there too).
+        Known only now: `super().__post_init__` reads accelerate's DeepSpeed settings."""
+        # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_*;
+        # after `super().__post_init__` the old name mirrors the new one.
+        names = ["gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"]
+        names = [name for name in names if hasattr(self, name)]
+        kwargs = dict(getattr(self, names[-1]) or {})
+        if "use_reentrant" in kwargs:
+            return
+        kwargs["use_reentrant"] = deepspeed_zero_stage(self) == 3
+        for name in names:
+            setattr(self, name, kwargs)
 
     def _validate(self):
         def fail(message):

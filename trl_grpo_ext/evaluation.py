@@ -330,21 +330,78 @@ def evaluate_math(
 
 def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
     """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
-    every process gets the same report. Completions come from the trainer's engine, with its
-    current weights (`RolloutProducer.evaluation_engine`): transformers (under DeepSpeed ZeRO-3
-    with the weights gathered) or vLLM."""
+    every process gets the same report, and every process must call it. Completions come from
+    the trainer's engine, with its current weights (`RolloutProducer.evaluation_engine`):
+    transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM.
+    Before training, the model is first moved to the accelerator's device: under DeepSpeed and
+    FSDP the Trainer leaves it where it was loaded (the CPU) until `train()`."""
+    kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
+    model = place_on_device(trainer)
+    engine = trainer.rollouts.evaluation_engine(trainer.state.global_step)
+    return evaluate_sharded(
+        model,
+        trainer.processing_class,
+        dataset,
+        engine=engine,
+        k_values=k_values,
+        num_examples=num_examples,
+        **kwargs,
+    )
+
+
+def place_on_device(trainer):
+    """The trainer's model, unwrapped, moved to the accelerator's device unless it is already
+    there or its weights are sharded (DeepSpeed ZeRO-3 partitions, FSDP's DTensors), where the
+    engine gathers or shards them. Under DDP or one device the Trainer has placed it already."""
+    from torch.distributed.tensor import DTensor
+
+    accelerator = trainer.accelerator
+    model = accelerator.unwrap_model(trainer.model)
+    parameters = list(model.parameters())
+    sharded = any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in parameters)
+    device = accelerator.device
+    if parameters and not sharded and parameters[0].device.type != device.type:
+        model.to(device)
+    return model
+
+
+def shard_indices(num_problems: int, process_index: int, num_processes: int) -> list[int]:
+    """This process's problems: every `num_processes`-th, padded with repeats to the same count
+    on every process, so that all processes make the same number of `generate` calls (under
+    ZeRO-3 and FSDP each is a collective; a process with one call fewer would leave the others
+    waiting forever). `unpad` drops the repeats from the gathered records."""
+    indices = list(range(process_index, num_problems, num_processes))
+    per_process = -(-num_problems // num_processes)
+    return indices + [indices[0] if indices else 0] * (per_process - len(indices))
+
+
+def unpad(records: list, num_problems: int, num_processes: int) -> list:
+    """The gathered records (`per_process` of each process, in process order) without the
+    repeats that `shard_indices` added."""
+    per_process = -(-num_problems // num_processes)
+    kept = []
+    for rank in range(num_processes):
+        real = len(range(rank, num_problems, num_processes))
+        kept += records[rank * per_process : rank * per_process + real]
+    return kept
+
+
+def evaluate_sharded(
+    model, tokenizer, dataset, *, engine=None, k_values=(1,), num_examples=3, **kwargs
+) -> EvalReport:
+    """`evaluate_math` with the problems split across the processes and the records gathered:
+    the same report on every process, and the same number of `generate` calls on each, so that
+    sharded weights (ZeRO-3, FSDP), whose forward passes are collectives, work. Every process
+    must call it. One process: `evaluate_math`."""
+    from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
-    accelerator = trainer.accelerator
-    indices = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
-    engine = trainer.rollouts.evaluation_engine(trainer.state.global_step)
-    model = accelerator.unwrap_model(trainer.model)
-    records = problem_scores(
-        model, trainer.processing_class, dataset.select(indices), engine=engine, **kwargs
-    )
-    if accelerator.num_processes > 1:
-        records = gather_object(records)
+    state = PartialState()
+    world = state.num_processes
+    indices = shard_indices(len(dataset), state.process_index, world)
+    records = problem_scores(model, tokenizer, dataset.select(indices), engine=engine, **kwargs)
+    if world > 1:
+        records = unpad(gather_object(records), len(dataset), world)
     return summarize(
         records,
         max_new_tokens=kwargs.get("max_new_tokens", 512),
@@ -379,14 +436,22 @@ class PeriodicEvalCallback(TrainerCallback):
     """Greedy held-out accuracy every `eval_every` optimizer steps; keeps the best adapter.
 
     Each result is one JSON line in `metrics_path` (`step`, `heldout/accuracy`,
-    `heldout/accuracy_strict`, `heldout/label`). When a periodic result beats every earlier one, the model (the
-    adapter under LoRA) is saved to `best_dir`: published GRPO runs often peak and then decline,
-    and the best checkpoint is the one to keep. `history` holds `(step, strict, lenient)`.
+    `heldout/accuracy_strict`, `heldout/label`). When a periodic result beats every earlier one,
+    the model (the adapter under LoRA) is saved to `best_dir`: published GRPO runs often peak and
+    then decline, and the best checkpoint is the one to keep. `history` holds
+    `(step, strict, lenient)`.
+
+    Every process evaluates a shard of the problems (`evaluate_sharded`) and every process
+    saves: under DeepSpeed ZeRO-3 and FSDP the weights are sharded, and generating with them or
+    saving them needs all processes. The main process alone writes the files.
 
     `engine`, when given, returns the engine to sample with at a step (the trainer's:
-    `lambda step: trainer.rollouts.evaluation_engine(step)`); else the model's own `generate`.
-    `skip_last_step` leaves out the evaluation at the run's last step, for a caller that
-    evaluates (and `record`s) the final weights after training anyway, as the recipe does.
+    `lambda step: trainer.rollouts.evaluation_engine(step)`, which gathers ZeRO-3 weights); else
+    the model's own `generate`. `save_model`, when given, saves the best model to a folder and is
+    called on every process (the trainer's `save_model`, which gathers sharded weights); else
+    the main process calls the model's `save_pretrained`. `skip_last_step` leaves out the
+    evaluation at the run's last step, for a caller that evaluates (and `record`s) the final
+    weights after training anyway, as the recipe does.
     """
 
     def __init__(
@@ -401,10 +466,11 @@ class PeriodicEvalCallback(TrainerCallback):
         format_reward: Callable | None = None,
         batch_size: int = 64,
         engine: Callable | None = None,
+        save_model: Callable[[str], None] | None = None,
         skip_last_step: bool = False,
     ):
         self.tokenizer, self.dataset, self.engine = tokenizer, dataset, engine
-        self.skip_last_step = skip_last_step
+        self.save_model, self.skip_last_step = save_model, skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
         self.format_reward, self.batch_size = format_reward, batch_size
@@ -413,9 +479,13 @@ class PeriodicEvalCallback(TrainerCallback):
 
     def record(self, step: int, report: EvalReport, model=None, label: str = "periodic") -> None:
         """Adds one result to the history and the JSONL file; saves `model` if it is the best.
-        `label` says which evaluation it was ("before", "periodic", "after")."""
+        `label` says which evaluation it was ("before", "periodic", "after"). Call it on every
+        process, with the same report (the saving may be a collective)."""
+        from accelerate import PartialState
+
+        is_main = PartialState().is_main_process
         self.history.append((step, report.greedy_strict, report.greedy_lenient))
-        if self.metrics_path:
+        if self.metrics_path and is_main:
             append_jsonl(
                 self.metrics_path,
                 {
@@ -425,34 +495,39 @@ class PeriodicEvalCallback(TrainerCallback):
                     "heldout/label": label,
                 },
             )
-        if model is not None and self.best_dir:
-            if self.best is None or report.greedy_lenient > self.best[1]:
-                self.best = (step, report.greedy_lenient)
-                model.save_pretrained(self.best_dir)
-                self.tokenizer.save_pretrained(self.best_dir)
-                append_jsonl(
-                    os.path.join(self.best_dir, "best.jsonl"),
-                    {"step": step, "heldout/accuracy": report.greedy_lenient},
-                )
+        if model is None or not self.best_dir:
+            return
+        if self.best is not None and report.greedy_lenient <= self.best[1]:
+            return
+        self.best = (step, report.greedy_lenient)
+        if self.save_model is not None:
+            self.save_model(self.best_dir)
+        elif is_main:
+            model.save_pretrained(self.best_dir)
+        if is_main:
+            self.tokenizer.save_pretrained(self.best_dir)
+            append_jsonl(
+                os.path.join(self.best_dir, "best.jsonl"),
+                {"step": step, "heldout/accuracy": report.greedy_lenient},
+            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if not self.eval_every or state.global_step % self.eval_every or model is None:
             return control
         if self.skip_last_step and state.global_step >= state.max_steps:
             return control
-        if args.process_index == 0:
-            report = evaluate_math(
-                model,
-                self.tokenizer,
-                self.dataset,
-                max_new_tokens=self.max_new_tokens,
-                format_reward=self.format_reward,
-                batch_size=self.batch_size,
-                num_examples=0,
-                chat_template_kwargs=args.chat_template_kwargs,
-                engine=self.engine(state.global_step) if self.engine else None,
-            )
-            self.record(state.global_step, report, model=model)
+        report = evaluate_sharded(
+            model,
+            self.tokenizer,
+            self.dataset,
+            max_new_tokens=self.max_new_tokens,
+            format_reward=self.format_reward,
+            batch_size=self.batch_size,
+            num_examples=0,
+            chat_template_kwargs=args.chat_template_kwargs,
+            engine=self.engine(state.global_step) if self.engine else None,
+        )
+        self.record(state.global_step, report, model=model)
         return control
 
 

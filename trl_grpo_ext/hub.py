@@ -339,12 +339,25 @@ class HubMixin:
                 example a reward-curve image the model card shows).
         """
         self.save_model(self.args.output_dir, _internal_call=True)
+        # Sharded weights (DeepSpeed ZeRO-3, FSDP) are gathered by every process together; the
+        # main process alone then saves them again into the folder it uploads.
+        state_dict = None
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = self.deepspeed if self.is_deepspeed_enabled else self.model
+            state_dict = self.accelerator.get_state_dict(engine)
         if not self.args.should_save:
             return None
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         base_model, local_base_model = self._base_model()
+
+        def save(folder):
+            if state_dict is None:
+                return self.save_model(folder, _internal_call=True)
+            self._save(folder, state_dict=state_dict)
+            self.create_model_card(output_dir=folder)
+
         return push_staged(
-            lambda folder: self.save_model(folder, _internal_call=True),
+            save,
             repo_id=repo_id,
             base_model=base_model,
             local_base_model=local_base_model,

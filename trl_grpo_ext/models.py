@@ -305,6 +305,7 @@ def prepare_policy(model, args, peft_config=None):
 
         model = get_peft_model(model, peft_config)
     if args.gradient_checkpointing and is_peft_model(model):
+        _check_reentrant_under_zero3(args)
         model.enable_input_require_grads()
     if args.sync_ref_model and is_peft_model(model):
         raise ValueError(
@@ -320,3 +321,19 @@ def prepare_policy(model, args, peft_config=None):
     if args.beta > 0 and not is_peft_model(model):
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return model, ref_model
+
+
+def _check_reentrant_under_zero3(args) -> None:
+    """LoRA under DeepSpeed ZeRO-3 fails in the first backward with non-reentrant checkpointing
+    (transformers#47254); the config defaults to reentrant there, so only an explicit False
+    gets here."""
+    from .config import deepspeed_zero_stage
+
+    kwargs = args.gradient_checkpointing_kwargs or {}
+    if deepspeed_zero_stage(args) == 3 and kwargs.get("use_reentrant") is False:
+        raise ValueError(
+            "LoRA with gradient checkpointing under DeepSpeed ZeRO-3 needs reentrant "
+            "checkpointing (transformers#47254); gradient_checkpointing_kwargs sets "
+            "use_reentrant=False. Remove use_reentrant from gradient_checkpointing_kwargs, or "
+            "set it to true."
+        )

@@ -145,7 +145,12 @@ def resolve_model_path(script_args, model_args, training_args) -> str:
             system_prompt=script_args.system_prompt,
             seed=training_args.seed,
         )
-        return warm_tiny_model(script_args.tiny_cache_dir, settings)
+        from accelerate import PartialState
+
+        # The main process trains and saves it first; the others then load it (all of them
+        # training at once wrote the same folder while another process read it).
+        with PartialState().main_process_first():
+            return warm_tiny_model(script_args.tiny_cache_dir, settings)
     if script_args.gguf_file:
         if name == SMOLLM2_PACKAGE:
             name = os.path.dirname(smollm2_gguf_path())

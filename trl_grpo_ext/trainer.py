@@ -204,7 +204,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             processing_class,
             self.eos_token_ids,
             policy=lambda: policy_for_generation(
-                self.model_wrapped, self.accelerator, args.ds3_gather_for_generation
+                self.model_wrapped,
+                self.accelerator,
+                args.ds3_gather_for_generation,
+                args.gradient_checkpointing_kwargs,
             ),
             model=lambda: self.accelerator.unwrap_model(self.model),
             engine_folder=engine_folder,

@@ -235,12 +235,23 @@ def in_eval_mode(model):
 
 
 @contextlib.contextmanager
-def policy_for_generation(model_wrapped, accelerator, gather_deepspeed3_params: bool = True):
-    """The model to generate with: unwrapped from DDP (gathered under ZeRO-3), in eval mode."""
+def policy_for_generation(
+    model_wrapped,
+    accelerator,
+    gather_deepspeed3_params: bool = True,
+    gradient_checkpointing_kwargs: dict | None = None,
+):
+    """The model to generate with: unwrapped from DDP (gathered under ZeRO-3), in eval mode.
+    Gradient checkpointing is off for the block and back on after it with
+    `gradient_checkpointing_kwargs` (the training arguments'): without them transformers'
+    default (non-reentrant) would replace the trainer's setting after the first generation."""
     from trl.models import unwrap_model_for_generation
 
     with unwrap_model_for_generation(
-        model_wrapped, accelerator, gather_deepspeed3_params=gather_deepspeed3_params
+        model_wrapped,
+        accelerator,
+        gather_deepspeed3_params=gather_deepspeed3_params,
+        gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
     ) as policy:
         with in_eval_mode(policy):
             yield policy

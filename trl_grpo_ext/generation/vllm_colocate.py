@@ -224,6 +224,7 @@ class VLLMColocateEngine:
             for prompt_seed in prompt_seeds(seed, len(prompts), group_size)
         ]
         if self.enable_sleep_mode:
+            torch.cuda.empty_cache()  # the trainer's cached blocks, for the engine to wake into
             self.llm.wake_up()
         try:
             outputs = self.llm.generate(

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# A first GPU session in one script: install from wheels carried with the tree, run every GPU
+# preset for 2 steps, then benchmarks/gpu.py (ours vs TRL, bf16, LoRA), each under a timeout,
+# writing every log and result under $OUT as it goes (a run cut short still leaves its figures).
+#
+#   bash benchmarks/gpu_session.sh prep         # here, with PyPI: wheels into .cache/gpu_wheels
+#   OUT=/some/folder bash benchmarks/gpu_session.sh      # on the GPU machine, repository root
+#
+# prep downloads, without dependencies, the packages the recipe needs beyond torch and
+# transformers (the GPU machine has those, and no network) into .cache/gpu_wheels, git-ignored:
+# carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
+# the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
+# On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT and PRESETS override the
+# defaults; SMOKE_ARGS adds arguments to every smoke run. docs/benchmarks.md, "A GPU session".
+set -u
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.cache/gpu_wheels}
+PYTHON=${PYTHON:-python}
+
+# Beyond torch and transformers; --no-deps, so each package's own dependencies are listed too.
+# datasets 4.7 (the oldest supported) takes pyarrow 21, whose wheel is 6-13 MB smaller than newer
+# ones: with it everything fits in the 64 MiB that travel with the tree. It needs
+# huggingface_hub < 2 (and its httpx); for a machine with huggingface_hub 2, prep with
+# DATASETS_WHEELS="datasets>=5.1 pyarrow==24.* dill<0.4.2 multiprocess<0.70.20" and leave out
+# what the machine has (SKIP_WHEELS), since that set is about 3 MB larger.
+DATASETS_WHEELS=${DATASETS_WHEELS:-"datasets==4.7.* pyarrow==21.* dill<0.4.1 multiprocess<0.70.19 fsspec<=2026.2.0"}
+PACKAGES="trl accelerate peft math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
+xxhash pandas $DATASETS_WHEELS"
+
+if [ "${1:-}" = prep ]; then
+    mkdir -p "$WHEELS"
+    version=${PYTHON_VERSION:-$($PYTHON -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
+    for package in $PACKAGES; do
+        case " ${SKIP_WHEELS:-} " in *" ${package%%[=<]*} "*) continue ;; esac
+        $PYTHON -m pip download -q --no-deps --only-binary=:all: --python-version "$version" \
+            --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+            --platform manylinux_2_17_x86_64 -d "$WHEELS" "$package" || exit 1
+    done
+    du -sh "$WHEELS"
+    size=$(du -sm "$WHEELS" | cut -f1)
+    if [ "$size" -gt 60 ]; then
+        echo "$WHEELS holds ${size} MiB: over what travels with the tree; set SKIP_WHEELS" >&2
+        exit 1
+    fi
+    exit 0
+fi
+
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT"
+# The whole session fits one 10-minute command; each step gets its own limit, cut to what is left.
+SESSION_SECONDS=${SESSION_SECONDS:-570}
+SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
+# The GPU machine reaches no network: the presets run on the embedded tiny model and synthetic
+# problems, everything else (bf16, LoRA, gradient checkpointing, batch shapes) as they have it.
+SWAPS="--model_name_or_path tiny --tiny_warmup_max_steps 20 --dataset_name synthetic
+--eval_dataset_name synthetic --num_train_samples 256 --num_eval_samples 8"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+started=$(date +%s)
+echo "step,exit_code,seconds" > "$OUT/summary.csv"
+
+log() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$OUT/session.log"; }
+
+# step NAME SECONDS COMMAND...: COMMAND under a timeout (at most what the session has left),
+# its output in $OUT/NAME.log, one line in $OUT/summary.csv.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$(( SESSION_SECONDS - ($(date +%s) - started) ))
+    if [ "$left" -lt 20 ]; then
+        log "skip $name: the session's time is spent"
+        echo "$name,skipped,0" >> "$OUT/summary.csv"
+        return 1
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    log "start $name (at most $limit s)"
+    local begin=$(date +%s)
+    echo "$*" > "$OUT/$name.log"
+    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    local code=$?
+    echo "$name,$code,$(( $(date +%s) - begin ))" >> "$OUT/summary.csv"
+    log "end $name: exit code $code$([ $code = 124 ] && echo ' (timed out)')"
+    grep -E "^\{'loss'|held-out accuracy|Error|Total|\| (median|peak)" "$OUT/$name.log" | tail -8 \
+        >> "$OUT/session.log"
+    return $code
+}
+
+# 1. Install the carried wheels of what is missing (no network, no dependencies); this package
+# is imported from the tree.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+    nvidia-smi 2>&1 | head -15
+    $PYTHON -c 'import sys, torch, transformers, huggingface_hub as hub; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available()); print("transformers", transformers.__version__, "huggingface_hub", hub.__version__)'
+} > "$OUT/environment.txt" 2>&1
+install() {
+    # One pip call for the wheels of distributions that are not installed yet.
+    missing=$($PYTHON - "$WHEELS" <<'PY'
+import glob, importlib.metadata, os, sys
+for wheel in sorted(glob.glob(os.path.join(sys.argv[1], "*.whl"))):
+    try:
+        importlib.metadata.distribution(os.path.basename(wheel).split("-")[0])
+        print(f"kept the installed {os.path.basename(wheel)}", file=sys.stderr)
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+    [ -z "$missing" ] || $PYTHON -m pip install -q --no-index --no-deps $missing || return 1
+    $PYTHON -c 'import trl, datasets, peft, accelerate, math_verify, trl_grpo_ext; print("imports ok")'
+}
+step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON install" || {
+    log "the install failed; see $OUT/install.log"
+    exit 1
+}
+$PYTHON -m pip list > "$OUT/pip_list.txt" 2>&1
+has() { $PYTHON -c "import $1" 2>/dev/null; }
+
+# 2. Each GPU preset for 2 steps on one GPU; held-out evaluation of 8 problems before and after.
+for preset in $PRESETS; do
+    name=$(basename "$preset" .yaml)
+    extra=""
+    grep -q "^use_vllm: true" "$preset" && ! has vllm && extra="--use_vllm false"
+    step "smoke-$name" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 recipes/math.py \
+        --config "$preset" $SWAPS --max_steps 2 --logging_steps 1 --eval_num_samples 0 \
+        --eval_every_steps 1 --save_strategy no --output_dir "$OUT/runs/$name" $extra \
+        ${SMOKE_ARGS:-}
+done
+
+# 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
+step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
+    --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
+
+# 4. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
+# sharding code paths, bf16 mixed precision, the periodic evaluation and saving.
+preset=recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml
+for config in fsdp deepspeed_zero3; do
+    [ "$config" = deepspeed_zero3 ] && ! has deepspeed && { log "skip $config: no deepspeed"; continue; }
+    step "sharded-$config" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch \
+        --config_file "recipes/accelerate/$config.yaml" --num_processes 1 recipes/math.py \
+        --config "$preset" $SWAPS --max_steps 2 --logging_steps 1 --eval_num_samples 0 \
+        --eval_every_steps 1 --keep_best true --output_dir "$OUT/runs/$config"
+done
+log "done; summary in $OUT/summary.csv"

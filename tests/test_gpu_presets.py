@@ -1,0 +1,136 @@
+"""The GPU presets run after the install the quickstart gives (`pip install -e .`, no extras):
+each one, with the embedded tiny model and synthetic problems in place of the Hub's, runs the
+recipe up to its first optimizer step on the CPU, every other setting as the preset has it. A
+preset that asks for a package only an extra installs (TensorBoard was one), or whose settings
+do not fit together, fails here rather than at the start of a user's first GPU run."""
+
+import configparser
+import glob
+import math
+import os
+import re
+import sys
+
+import pytest
+import yaml
+from test_recipe import ROOT, parser, recipe
+
+GPU_PRESETS = sorted(
+    path
+    for path in glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml"))
+    if not path.endswith("_cpu.yaml")
+)
+
+# What a preset may change only because there is no GPU, no Hub and no time here: the model
+# and data (offline), the problem counts, the step count, the completion length (the tiny model
+# writes on to the cap) and the output folder.
+SWAPS = [
+    "--model_name_or_path", "tiny",
+    "--tiny_warmup_max_steps", "2",
+    "--dataset_name", "synthetic",
+    "--eval_dataset_name", "synthetic",
+    "--num_train_samples", "64",
+    "--num_eval_samples", "4",
+    "--max_steps", "1",
+    "--max_completion_length", "16",
+]  # fmt: skip
+
+
+def optional_modules() -> set[str]:
+    """Top-level modules of the packages that only an extra of setup.cfg installs."""
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    base = set(_names(config["options"]["install_requires"]))
+    extras = {name for value in config["options.extras_require"].values() for name in _names(value)}
+    test_tools = {"pytest", "hypothesis"}  # the test run itself imports them
+    modules = {name.replace("-", "_") for name in extras - base} - test_tools
+    if "tensorboard" in modules:
+        modules.add("tensorboardX")  # transformers takes either
+    return modules
+
+
+def _names(requirements: str) -> list[str]:
+    return [re.split(r"[<>=!~\[; ]", line.strip())[0] for line in requirements.splitlines() if line]
+
+
+@pytest.fixture
+def quickstart_install(monkeypatch):
+    """Imports as after `pip install -e .`: the extras' packages cannot be imported."""
+    hidden = optional_modules()
+    assert {"tensorboard", "vllm", "gguf"} <= hidden
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    return hidden
+
+
+def test_the_gpu_presets_are_the_ones_the_docs_name():
+    names = {os.path.basename(path) for path in GPU_PRESETS}
+    assert names == {
+        "qwen2.5-0.5b-instruct_gsm8k_lora.yaml",
+        "qwen2.5-0.5b-instruct_gsm8k_lora_vllm.yaml",
+        "qwen2.5-1.5b-instruct_gsm8k_lora.yaml",
+        "qwen3-0.6b_math_lora.yaml",
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tiny_cache"))
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+def test_a_gpu_preset_runs_its_first_step_after_the_quickstart_install(
+    path, quickstart_install, tiny_cache, tmp_path
+):
+    from transformers.integrations import is_tensorboard_available
+
+    assert not is_tensorboard_available()  # the fixture hides it
+    with open(path) as handle:
+        preset = yaml.safe_load(handle)
+    # vLLM comes with the vllm extra; its generation is tested in tests/vllm_engines.
+    no_vllm = ["--use_vllm", "false"] if preset.get("use_vllm") else []
+    argv = [
+        "--config", path, *SWAPS, *no_vllm,
+        "--output_dir", str(tmp_path / "run"),
+        "--tiny_cache_dir", tiny_cache,
+    ]  # fmt: skip
+    script_args, training_args, model_args = parser().parse_args_and_config(argv)
+    assert training_args.gradient_checkpointing and model_args.use_peft
+    trainer, before, after = recipe.main(script_args, training_args, model_args)
+    assert trainer.state.global_step == 1
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert before.num_problems == after.num_problems == 4
+    assert after.max_new_tokens == 16
+    assert os.path.exists(tmp_path / "run" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+def test_a_preset_asks_for_the_format_its_rewards_score(path):
+    """The `format` reward scores `<think>...</think>` then the answer. A Qwen3 model writes
+    that by itself (thinking is on by default); any other model must be asked by the prompt,
+    else the reward is 0 for every completion and "strict" accuracy reads 0% throughout. A
+    completion that does what the prompt asks earns the format reward and counts as strict."""
+    from trl_grpo_ext.data import SYSTEM_PROMPT
+    from trl_grpo_ext.evaluation import score_completions
+    from trl_grpo_ext.rewards import get_reward
+
+    with open(path) as handle:
+        preset = yaml.safe_load(handle)
+    if "format" not in preset["reward_funcs"]:
+        return
+    system_prompt = preset.get("system_prompt", SYSTEM_PROMPT)
+    thinks_by_default = "Qwen3" in preset["model_name_or_path"]
+    assert thinks_by_default or ("<think>" in system_prompt and "</think>" in system_prompt)
+    assert "\\boxed{" in system_prompt
+    following = "<think>6 times 7 is 42.</think> The answer is \\boxed{42}."
+    assert get_reward("format")(completions=[following]) == [1.0]
+    strict, lenient = score_completions([following], ["42"], get_reward("format"), [False])
+    assert strict == lenient == [1.0]
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+def test_a_preset_leaves_ddp_its_unused_parameter_search_off(path):
+    """LoRA trains every adapter at every step; DDP's search for unused parameters (the
+    Trainer's default for a PEFT model) would traverse the graph each step for nothing."""
+    _, training_args, _ = parser().parse_args_and_config(["--config", path])
+    assert training_args.ddp_find_unused_parameters is False
