@@ -110,3 +110,37 @@ def test_close_stops_the_process(setup):
     engine = setup[3]
     engine.close()
     assert not engine._process.is_alive()
+
+
+SEVERAL_THREADS = """
+import torch
+from trl_grpo_ext.generation import PromptEncoder, sampling_config
+from trl_grpo_ext.generation.process_worker import ProcessEngine
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # this process's OpenMP pool is up
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    config = sampling_config(max_new_tokens=4, eos_token_id=[tokenizer.eos_token_id],
+                             pad_token_id=tokenizer.pad_token_id, num_return_sequences=2)
+    engine = ProcessEngine(model, threads=2)
+    completion_ids = engine.generate(*PromptEncoder(tokenizer).encode(["1+2="]), config, seed=0)[2]
+    engine.close()
+    print("sampled", tuple(completion_ids.shape))
+"""
+
+
+def test_a_worker_with_several_threads_samples_instead_of_hanging(tmp_path):
+    """`rollout_worker_threads: 2`: a forked worker hung in its first parallel region (the
+    parent's OpenMP pool does not survive a fork); the engine spawns it instead."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "several_threads.py"
+    script.write_text(SEVERAL_THREADS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sampled (2, 4)" in done.stdout

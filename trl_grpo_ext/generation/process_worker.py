@@ -73,10 +73,12 @@ class ProcessEngine:
     holds_own_weights = True
 
     def __init__(self, model, threads: int = 1):
-        # fork needs no importable __main__ and shares the copied model without pickling; CUDA
-        # cannot cross a fork, so a process that initialised it spawns instead (which needs the
-        # usual `if __name__ == "__main__":` guard in the user's script).
-        use_fork = sys.platform == "linux" and not torch.cuda.is_initialized()
+        # fork needs no importable __main__ and shares the copied model without pickling. Neither
+        # CUDA nor the parent's OpenMP thread pool survives a fork (a forked worker with more than
+        # one thread hangs in its first parallel region), so a process that initialised CUDA, or
+        # a worker with several threads, spawns instead (which needs the usual
+        # `if __name__ == "__main__":` guard in the user's script).
+        use_fork = sys.platform == "linux" and not torch.cuda.is_initialized() and threads == 1
         context = mp.get_context("fork" if use_fork else "spawn")
         self._requests, self._results = context.Queue(), context.Queue()
         worker_model = (
