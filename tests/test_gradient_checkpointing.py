@@ -61,7 +61,8 @@ def test_zero3_defaults_to_reentrant_checkpointing(tmp_path, zero3_launch):
     args = GroupRelativeConfig(output_dir=str(tmp_path), gradient_checkpointing=True)
     assert args.deepspeed_plugin.zero_stage == 3
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": True}
-    assert args.activation_checkpointing_kwargs == {"use_reentrant": True}
+    if hasattr(args, "activation_checkpointing_kwargs"):  # transformers >= 5.23's name
+        assert args.activation_checkpointing_kwargs == {"use_reentrant": True}
     given = GroupRelativeConfig(
         output_dir=str(tmp_path),
         gradient_checkpointing=True,

@@ -28,6 +28,7 @@ worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 import tempfile
@@ -247,14 +248,21 @@ def policy_for_generation(
     default (non-reentrant) would replace the trainer's setting after the first generation."""
     from trl.models import unwrap_model_for_generation
 
-    with unwrap_model_for_generation(
-        model_wrapped,
-        accelerator,
-        gather_deepspeed3_params=gather_deepspeed3_params,
-        gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
-    ) as policy:
+    options = {"gather_deepspeed3_params": gather_deepspeed3_params}
+    # Older TRL releases (1.7 among them) take no such argument and turn checkpointing back on
+    # with transformers' default: it is turned on again here, with the arguments' setting.
+    takes_kwargs = "gradient_checkpointing_kwargs" in (
+        inspect.signature(unwrap_model_for_generation).parameters
+    )
+    if takes_kwargs:
+        options["gradient_checkpointing_kwargs"] = gradient_checkpointing_kwargs
+    unwrapped = accelerator.unwrap_model(model_wrapped)
+    checkpointing = getattr(unwrapped, "is_gradient_checkpointing", False)
+    with unwrap_model_for_generation(model_wrapped, accelerator, **options) as policy:
         with in_eval_mode(policy):
             yield policy
+    if checkpointing and not takes_kwargs:
+        unwrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
 
 
 # Config fields that fix the shapes of a checkpoint's tensors: where the model in memory differs
