@@ -29,7 +29,9 @@ from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerErro
 pytestmark = pytest.mark.vllm
 
 BOUND = 180  # seconds a faulty run may take to fail; more is a hang
-REQUEST_TIMEOUT = 10  # the engine's per-request timeout in these runs; the slow fault exceeds it
+REQUEST_TIMEOUT = 10  # the engine's per-request timeout in the slow fault's run, which exceeds it
+# Elsewhere: long enough for a fresh server's first requests, which compile its kernels.
+WARM_UP_TIMEOUT = 120
 
 
 class FaultProxy(ThreadingHTTPServer):
@@ -125,7 +127,7 @@ def run_bounded(function):
     return outcome[0]
 
 
-def server_trainer(model_dir, output_dir, url, **config):
+def server_trainer(model_dir, output_dir, url, request_timeout=WARM_UP_TIMEOUT, **config):
     """A trainer of a few steps on the server at `url`, saving a checkpoint every 2 steps."""
     settings = dict(
         use_vllm=True,
@@ -141,7 +143,7 @@ def server_trainer(model_dir, output_dir, url, **config):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = make_trainer(output_dir, model=model, tokenizer=tokenizer, **{**settings, **config})
-    trainer.rollouts.engine.request_timeout = REQUEST_TIMEOUT
+    trainer.rollouts.engine.request_timeout = request_timeout
     return trainer
 
 
@@ -187,6 +189,8 @@ def test_a_fault_mid_run_names_its_cause_and_the_run_resumes(
 ):
     inject, max_staleness, message = FAULTS[fault]
     settings = dict(max_staleness=max_staleness)
+    if fault == "slow":
+        settings["request_timeout"] = REQUEST_TIMEOUT
     trainer = server_trainer(vllm_model_dir, tmp_path, proxy.url, **settings)
     trainer.add_callback(AfterFirstSave(lambda: inject(proxy, other_model_server)))
     error = run_bounded(trainer.train)
