@@ -280,3 +280,22 @@ def test_evaluations_during_asynchronous_rollouts_leave_the_engine_to_the_worker
     # one after the last step with that step's weights, which training never published.
     assert threads and all(name.startswith("rollouts") for name in threads)
     assert engine.published == [0, 1, 2] and engine.generated_with[-1] == 2
+
+
+def test_a_temporary_base_model_copy_is_removed_once_unused(tmp_path):
+    """The copy saved for a colocated engine goes away even when no engine closes it (a fake
+    engine, an engine that failed to start, a trainer never closed)."""
+    import gc
+    import os
+
+    from trl_grpo_ext.generation.engines import engine_model_folder
+    from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    model.config._name_or_path = ""  # built in memory: there is no folder to load it from
+    engine_model = engine_model_folder(model, tokenizer)
+    folder = engine_model.folder
+    assert engine_model.temporary and os.path.isdir(folder)
+    del engine_model
+    gc.collect()
+    assert not os.path.exists(folder)

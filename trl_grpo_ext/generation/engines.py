@@ -33,6 +33,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -286,7 +287,9 @@ class EngineModel:
 
     Attributes:
         folder (`str`): a folder or Hub id with the model's config, tokenizer and weights.
-        temporary (`bool`): a copy saved for the engine, removed when the engine is closed.
+        temporary (`bool`): a copy saved for the engine, removed when the engine is closed, and
+            in any case once nothing refers to it any more (an engine that failed to start, a
+            trainer never closed) or when the process exits.
         quantization (`str`, *optional*): vLLM's `quantization` for a model loaded quantized
             (bitsandbytes 4-bit, as TRL passes it); the engine quantizes the checkpoint itself.
         revision (`str`, *optional*): the checkpoint's revision on the Hub.
@@ -296,6 +299,10 @@ class EngineModel:
     temporary: bool = False
     quantization: str | None = None
     revision: str | None = None
+
+    def __post_init__(self):
+        if self.temporary:
+            weakref.finalize(self, shutil.rmtree, self.folder, True)
 
     def __fspath__(self) -> str:
         return self.folder
