@@ -417,7 +417,7 @@ def build_engine(args, policy, model_folder: EngineModel | str | None, lora_rank
     if model_folder.revision and not os.path.isdir(model_folder.folder):
         llm_kwargs["revision"] = model_folder.revision
     return VLLMColocateEngine(
-        model_folder.folder,
+        model_folder,  # the engine keeps it, so a temporary copy lives as long as the engine
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.vllm_max_model_length,
         tensor_parallel_size=args.vllm_tensor_parallel_size,

@@ -108,8 +108,9 @@ class VLLMColocateEngine:
     """Generation with a `vllm.LLM` living in this process.
 
     Args:
-        model (`str`):
-            Folder (or hub id) of the model the trainer starts from; vLLM loads it itself.
+        model (`str` or `EngineModel`):
+            Folder (or hub id) of the model the trainer starts from; vLLM loads it itself. The
+            engine keeps a reference to it, so a temporary copy lives as long as the engine.
         gpu_memory_utilization (`float`, *optional*, defaults to 0.3):
             Fraction of the GPU's memory vLLM may take for weights and KV cache (TRL's
             `vllm_gpu_memory_utilization`); the trainer keeps the rest. Unused on CPU, where
@@ -160,6 +161,7 @@ class VLLMColocateEngine:
         takes_base_weights: bool = True,
         llm_kwargs: dict | None = None,
     ):
+        self.model = model  # a temporary `EngineModel` is removed once nothing refers to it
         if remove_model_folder:  # even when the engine fails to start, or is never closed
             self._remove_folder = weakref.finalize(self, shutil.rmtree, str(model), True)
         from vllm import LLM
