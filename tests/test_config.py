@@ -82,7 +82,7 @@ def test_shared_names_mean_the_same_defaults_as_trl(tmp_path):
     ours_only_expected = {
         "max_prompt_length", "dynamic_sampling", "logprob_chunk_tokens",
         "max_resample_rounds", "max_staleness", "off_policy_correction", "off_policy_clip",
-        "off_policy_min", "rollout_worker_threads",
+        "off_policy_min", "rollout_worker_threads", "tool_call_timeout", "tool_call_workers",
     }  # fmt: skip
     assert ours_only <= ours_only_expected, ours_only - ours_only_expected
 

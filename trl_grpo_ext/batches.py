@@ -23,7 +23,9 @@ def training_tensors(
     mask_truncated: bool = False,
     trainable: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of one generation batch, on `device`.
+    """The tensors of one generation batch, on `device`. `completion_mask` marks the tokens that
+    get a gradient and enter the ratio and the KL: not tool results (`Rollout.tool_mask`), which
+    the attention still reads.
 
     Args:
         advantages (`torch.Tensor`): `(N,)`, one per completion.
@@ -37,9 +39,12 @@ def training_tensors(
         completion_mask = completion_mask * (~rollout.is_truncated).to(device).unsqueeze(1)
     if trainable is not None:
         completion_mask = completion_mask * trainable.to(device).unsqueeze(1)
+    attention_mask = torch.cat([rollout.prompt_mask.to(device), completion_mask], 1)
+    if rollout.tool_mask is not None:  # tool results are read, never trained on
+        completion_mask = completion_mask * rollout.tool_mask.to(device)
     tensors = {
         "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(device),
-        "attention_mask": torch.cat([rollout.prompt_mask, completion_mask], 1).to(device),
+        "attention_mask": attention_mask,
         "completion_ids": rollout.completion_ids.to(device),
         "completion_mask": completion_mask,
         "advantages": advantages.to(device),

@@ -50,7 +50,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "use_transformers_continuous_batching": "leave it false; generation is batched per group",
     "use_transformers_paged": "leave it false",
     "transformers_continuous_batching_config": "leave it unset",
-    "max_tool_calling_iterations": "leave it unset; tool calling is not supported",
     "log_unique_prompts": "leave it false; log_completions prints every row",
     "log_completions_hub_repo": "leave it unset; log_completions prints the table",
 }
@@ -479,7 +478,22 @@ class GroupRelativeConfig(TrainingArguments):
         default=False, metadata={"help": "Deprecated name of the above (TRL)."}
     )
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Tool-calling turns of an agent (TRL)."}
+        default=None,
+        metadata={
+            "help": "Tool rounds of a multi-turn rollout at most (TRL); None: until the model "
+            "stops calling tools or max_completion_length is reached."
+        },
+    )
+    tool_call_timeout: float | None = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds a tool call may take; a slower one comes back to the model as an "
+            "error result. None: no limit."
+        },
+    )
+    tool_call_workers: int = field(
+        default=8,
+        metadata={"help": "Threads that run the synchronous tool calls of a batch at once."},
     )
 
     def __post_init__(self):
@@ -560,6 +574,15 @@ class GroupRelativeConfig(TrainingArguments):
             self._validate_vllm(fail)
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            fail(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 "
+                "(or None for no limit)."
+            )
+        if self.tool_call_timeout is not None and not self.tool_call_timeout > 0:
+            fail(f"tool_call_timeout={self.tool_call_timeout} must be > 0 seconds (or None).")
+        if self.tool_call_workers < 1:
+            fail(f"tool_call_workers={self.tool_call_workers} must be >= 1.")
         if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
             fail(
                 f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "

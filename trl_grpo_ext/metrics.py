@@ -57,12 +57,24 @@ def rollout_metrics(rollout, rewards, weights, names, gather) -> tuple[dict[str,
     Args:
         rewards (`torch.Tensor`): `(N, F)` rewards of all processes.
         gather (`Callable[[Tensor], Tensor]`): concatenates a tensor over processes.
+
+    Lengths count the model's own tokens, not tool results (as TRL); with tools,
+    `tools/call_frequency` is the tool calls per rollout and `tools/failure_frequency` the
+    fraction of calls that came back as errors.
     """
-    lengths, truncated = gather(rollout.completion_lengths), gather(rollout.is_truncated)
+    own = rollout.completion_mask
+    if rollout.tool_mask is not None:
+        own = own * rollout.tool_mask
+    lengths, truncated = gather(own.sum(dim=1)), gather(rollout.is_truncated)
     metrics = {
         **reward_metrics(rewards, weights, rollout.group_size, names),
         **length_metrics(lengths, truncated),
     }
+    if rollout.tool_calls is not None:
+        calls, failures = gather(rollout.tool_calls), gather(rollout.tool_failures)
+        total = calls.sum().item()
+        metrics["tools/call_frequency"] = total / len(calls)
+        metrics["tools/failure_frequency"] = failures.sum().item() / total if total else 0.0
     tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1))
     return metrics, int(tokens.sum().item())
 

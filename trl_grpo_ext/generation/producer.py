@@ -29,9 +29,16 @@ import torch
 
 from .async_rollout import ResumableWorker, RolloutPipeline
 from .engines import EngineWorker, WeightPublisher, build_engine
+from .multi_turn import ToolCallFormat, ToolLoop
 from .process_worker import ParameterPublisher, ProcessEngine
 from .prompts import PromptEncoder, is_conversational
-from .rollout import Rollout, completion_mask_from_ids, pad_rollout
+from .rollout import (
+    Rollout,
+    completion_mask_from_ids,
+    left_padded,
+    pad_rollout,
+    rollout_from_lists,
+)
 from .sampling import end_at_stop_strings, sampling_config_from_args
 from .transformers_engine import TransformersEngine, generation_seed
 
@@ -49,14 +56,46 @@ class RolloutProducer:
             under LoRA), whose weights are published to the engine or the rollout worker.
         engine_folder (`str`, *optional*): the base weights of a colocated vLLM engine.
         lora_rank (`int`, *optional*): the adapters' rank under LoRA; None for full fine-tuning.
+        agent (*optional*): multi-turn rollouts with tools (`tools.Agent`): `start(rows, group)`
+            gives each rollout its prompt, tools and environment, `runner` runs tool calls.
     """
 
     def __init__(
-        self, args, tokenizer, eos_token_ids, *, policy, model, engine_folder=None, lora_rank=None
+        self,
+        args,
+        tokenizer,
+        eos_token_ids,
+        *,
+        policy,
+        model,
+        engine_folder=None,
+        lora_rank=None,
+        agent=None,
     ):
         self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
         self.policy, self.model = policy, model
-        self.encoder = PromptEncoder(tokenizer, args.max_prompt_length, args.chat_template_kwargs)
+        self.agent, self.tool_loop = agent, None
+        chat_template = None
+        if agent is not None:
+            if args.max_staleness is not None:
+                raise ValueError(
+                    "Tools and environments sample synchronously for now: unset max_staleness, "
+                    "or train without tools."
+                )
+            format = ToolCallFormat(tokenizer, args.chat_template_kwargs)
+            chat_template = format.chat_template
+            self.tool_loop = ToolLoop(
+                format,
+                agent.runner,
+                eos_token_ids=eos_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                max_completion_length=args.max_completion_length,
+                max_model_len=_max_model_len(args, model()),
+                max_iterations=args.max_tool_calling_iterations,
+            )
+        self.encoder = PromptEncoder(
+            tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template
+        )
         ids = dict(eos_token_id=eos_token_ids, pad_token_id=tokenizer.pad_token_id)
         self.generation_config = sampling_config_from_args(
             args, num_return_sequences=args.num_generations, **ids
@@ -98,11 +137,13 @@ class RolloutProducer:
         (seeded by the caller); an engine with its own weights gets a seed drawn from it.
         While the asynchronous worker owns the engine (`evaluate()` during training), the
         sampling runs on the worker's thread, in turn with its batches."""
-        prompt_ids, prompt_mask = self.encode(rows)
         seed = None
         if self.publisher is not None:
             seed = int(torch.randint(0, 2**31 - 1, ()))
         engine = self.evaluation_engine(version)
+        if self.tool_loop is not None:
+            return self._generate_turns(rows, version, engine, seed)
+        prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, self.sampling, seed
         )
@@ -176,6 +217,88 @@ class RolloutProducer:
         if is_conversational(prompts[0]):
             decoded = [[{"role": "assistant", "content": text}] for text in decoded]
         rollout.completions = decoded
+        return rollout
+
+    def _generate_turns(self, rows, version, engine, seed) -> Rollout:
+        """Multi-turn rollouts: each of the G rollouts of a row has its own prompt (its
+        environment's `reset` may add to it), tools and history."""
+        group = self.sampling.num_return_sequences
+        prompts, tools, environments = self.agent.start(rows, group)
+        if not is_conversational(prompts[0]):
+            raise ValueError(
+                "Tools and environments need conversational prompts (lists of messages), which the "
+                "chat template renders with the tools' schemas; got plain strings. Give the "
+                'prompts as [{"role": "user", "content": ...}].'
+            )
+        prompt_ids, prompt_mask = self.encoder.encode(prompts, [t.functions for t in tools])
+        turns = self.tool_loop.run(engine, self.sampling, seed, prompt_ids, prompt_mask, tools)
+        rollout = rollout_from_lists(
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            turns.completion_ids,
+            turns.completions,
+            columns=_columns(rows, group),
+            group_size=group,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            logps=turns.logps,
+            tool_mask=turns.tool_mask,
+            version=version,
+        )
+        rollout.tool_calls = torch.tensor(turns.calls)
+        rollout.tool_failures = torch.tensor(turns.failures)
+        rollout.environments = environments
+        return self._padded(rollout)
+
+    def from_rollout_func(self, rows, rollout_func, version: int) -> Rollout:
+        """The rollout a user's `rollout_func(prompts)` sampled (TRL's, the trainer bound as
+        its second argument): it gets each row's prompt once
+        per completion (G consecutive copies, as TRL's per-completion inputs) and returns, per
+        completion, `prompt_ids`, `completion_ids` and `logprobs` (None, or the sampled tokens'
+        log-probs), optionally `env_mask` (0 on tokens it did not sample) and further fields,
+        which reward functions receive as keyword arguments."""
+        group = self.sampling.num_return_sequences
+        prompts = [row["prompt"] for row in rows for _ in range(group)]
+        self.publish(version)  # a function that samples with the engine gets current weights
+        output = rollout_func(prompts)
+        missing = {"prompt_ids", "completion_ids", "logprobs"} - set(output)
+        if missing:
+            raise ValueError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
+        extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids")}
+        logps, tool_mask = extra.pop("logprobs"), extra.pop("env_mask", None)
+        for key, values in [("prompt_ids", output["prompt_ids"]), *extra.items()]:
+            if len(values) != len(prompts):
+                raise ValueError(
+                    f"rollout_func returned {len(values)} {key!r} for {len(prompts)} completions "
+                    f"({len(rows)} prompts x num_generations={group}); return one per completion."
+                )
+        prompt_ids, prompt_mask = left_padded(output["prompt_ids"], self.tokenizer.pad_token_id)
+        completion_ids = [list(ids) for ids in output["completion_ids"]]
+        decoded = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational(prompts[0]):
+            decoded = [[{"role": "assistant", "content": text}] for text in decoded]
+        rollout = rollout_from_lists(
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            decoded,
+            columns={**_columns(rows, group), **extra},
+            group_size=group,
+            eos_token_ids=[*self.eos_token_ids, self.tokenizer.pad_token_id],
+            pad_token_id=self.tokenizer.pad_token_id,
+            logps=logps,
+            tool_mask=tool_mask,
+            version=version,
+        )
+        return self._padded(rollout)
+
+    def _padded(self, rollout: Rollout) -> Rollout:
+        if self.args.pad_to_multiple_of:
+            rollout = pad_rollout(
+                rollout, self.args.pad_to_multiple_of, self.tokenizer.pad_token_id
+            )
         return rollout
 
     # ----------------------------------------------------------- asynchronous
@@ -286,6 +409,22 @@ class RolloutProducer:
         self.restored = None
         self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
         return self.pipeline
+
+
+def _columns(rows: list[dict], group: int) -> dict[str, list]:
+    """The dataset columns but the prompt, one entry per completion."""
+    return {
+        key: [row[key] for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"
+    }
+
+
+def _max_model_len(args, model) -> int:
+    """The longest sequence the engine takes: vLLM's `max_model_len` when set, else the model's
+    position limit."""
+    if args.use_vllm and args.vllm_max_model_length:
+        return args.vllm_max_model_length
+    config = getattr(model.config, "text_config", None) or model.config
+    return getattr(config, "max_position_embeddings", None) or 2**31
 
 
 def _snapshotted_by_the_worker():

@@ -53,29 +53,39 @@ class PromptEncoder:
             time this happens a warning says how many prompts of that batch were cut.
         chat_template_kwargs (`dict`, *optional*): extra arguments of `apply_chat_template`
             (e.g. `{"enable_thinking": False}` for Qwen3).
+        chat_template (`str`, *optional*): renders instead of the tokenizer's own (the
+            prefix-preserving template of multi-turn rollouts, `multi_turn.ToolCallFormat`).
     """
 
-    def __init__(self, tokenizer, max_prompt_length=None, chat_template_kwargs=None):
+    def __init__(
+        self, tokenizer, max_prompt_length=None, chat_template_kwargs=None, chat_template=None
+    ):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat_template = chat_template
         self.num_truncated = 0  # prompts cut so far
 
-    def render(self, prompt) -> str:
+    def render(self, prompt, tools: list | None = None) -> str:
+        """The prompt's text; `tools` (functions) are rendered by the chat template."""
         if not is_conversational(prompt):
             return prompt
         continue_final = prompt[-1]["role"] == "assistant"
         return self.tokenizer.apply_chat_template(
             prompt,
+            tools=tools or None,  # `or None`: Llama's template writes tool boilerplate for []
+            chat_template=self.chat_template,
             tokenize=False,
             add_generation_prompt=not continue_final,
             continue_final_message=continue_final,
             **self.chat_template_kwargs,
         )
 
-    def encode(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(prompt_ids, prompt_mask)`, both `(B, P)`, left-padded."""
-        texts = [self.render(prompt) for prompt in prompts]
+    def encode(self, prompts: list, tools: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(prompt_ids, prompt_mask)`, both `(B, P)`, left-padded; `tools`, when given, holds
+        each prompt's tools."""
+        tools = tools or [None] * len(prompts)
+        texts = [self.render(prompt, tool) for prompt, tool in zip(prompts, tools)]
         encoded = self.tokenizer(
             texts,
             return_tensors="pt",

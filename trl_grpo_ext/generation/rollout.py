@@ -30,6 +30,12 @@ class Rollout:
         behaviour_logps (`torch.Tensor` of shape `(N, T)`, *optional*): log-probs of the sampled
             tokens under the policy that generated them, when known.
         policy_version (`int`): optimizer step of the weights that generated the batch.
+        tool_mask (`torch.LongTensor` of shape `(N, T)`, *optional*): multi-turn rollouts: 1 on
+            the tokens the model sampled, 0 on tool results (no gradient, ratio or KL there).
+        tool_calls, tool_failures (`torch.LongTensor` of shape `(N,)`, *optional*): tool calls
+            each rollout made, and how many of them came back as errors.
+        environments (`list`, *optional*): the environment of each rollout
+            (`environment_factory`), which reward functions receive as `environments`.
     """
 
     prompts: list
@@ -43,6 +49,10 @@ class Rollout:
     columns: dict[str, list] = field(default_factory=dict)
     behaviour_logps: torch.Tensor | None = None
     policy_version: int = 0
+    tool_mask: torch.Tensor | None = None
+    tool_calls: torch.Tensor | None = None
+    tool_failures: torch.Tensor | None = None
+    environments: list | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -60,6 +70,9 @@ class Rollout:
         def pick(values):
             return [values[row] for row in rows]
 
+        def rows_of(tensor):
+            return None if tensor is None else tensor[index]
+
         return Rollout(
             prompts=pick(self.prompts),
             completions=pick(self.completions),
@@ -70,8 +83,12 @@ class Rollout:
             is_truncated=self.is_truncated[index],
             group_size=size,
             columns={key: pick(values) for key, values in self.columns.items()},
-            behaviour_logps=None if self.behaviour_logps is None else self.behaviour_logps[index],
+            behaviour_logps=rows_of(self.behaviour_logps),
             policy_version=self.policy_version,
+            tool_mask=rows_of(self.tool_mask),
+            tool_calls=rows_of(self.tool_calls),
+            tool_failures=rows_of(self.tool_failures),
+            environments=None if self.environments is None else pick(self.environments),
         )
 
     def completion_id_lists(self) -> list[list[int]]:
@@ -106,6 +123,67 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as a left-padded `(N, P)` tensor and its mask."""
+    width = max(len(ids) for ids in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        if len(sequence):
+            ids[row, width - len(sequence) :] = torch.as_tensor(sequence, dtype=torch.long)
+            mask[row, width - len(sequence) :] = 1
+    return ids, mask
+
+
+def right_padded(rows: list[list], value, dtype=None) -> torch.Tensor:
+    """Lists as a right-padded `(N, T)` tensor (`value` after each row)."""
+    width = max(len(row) for row in rows)
+    return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows], dtype=dtype)
+
+
+def rollout_from_lists(
+    prompts,
+    prompt_ids,
+    prompt_mask,
+    completion_ids: list[list[int]],
+    completions: list,
+    *,
+    columns: dict[str, list],
+    group_size: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    logps: list[list] | None = None,
+    tool_mask: list[list[int]] | None = None,
+    version: int = 0,
+) -> Rollout:
+    """A `Rollout` from completions of any length, each kept whole (multi-turn rollouts, whose
+    turns each end with an eos, and a user's `rollout_func`). A completion is truncated when
+    its last token is not one of `eos_token_ids`. Log-probs that are None (vLLM's for a NaN)
+    become NaN."""
+    lengths = torch.tensor([len(ids) for ids in completion_ids])
+    positions = torch.arange(max(int(lengths.max()), 1)).unsqueeze(0)
+    behaviour = None
+    if logps is not None:
+        rows = [[float("nan") if x is None else x for x in row] for row in logps]
+        behaviour = right_padded(rows, 0.0, torch.float32)
+    return Rollout(
+        prompts=prompts,
+        completions=completions,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=right_padded(completion_ids, pad_token_id, torch.long),
+        completion_mask=(positions < lengths.unsqueeze(1)).long(),
+        is_truncated=torch.tensor(
+            [not len(ids) or ids[-1] not in eos_token_ids for ids in completion_ids]
+        ),
+        group_size=group_size,
+        columns=columns,
+        behaviour_logps=behaviour,
+        policy_version=version,
+        tool_mask=None if tool_mask is None else right_padded(tool_mask, 1, torch.long),
+    )
+
+
 def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     missing = width - tensor.shape[1]
     if missing == 0:
@@ -130,6 +208,8 @@ def pad_rollout(rollout: Rollout, multiple: int, pad_token_id: int) -> Rollout:
     rollout.completion_mask = _pad_to(rollout.completion_mask, completion_width, 0, left=False)
     if rollout.behaviour_logps is not None:
         rollout.behaviour_logps = _pad_to(rollout.behaviour_logps, completion_width, 0.0, False)
+    if rollout.tool_mask is not None:
+        rollout.tool_mask = _pad_to(rollout.tool_mask, completion_width, 1, left=False)
     return rollout
 
 
@@ -142,9 +222,16 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     def stack(name, width, value, left):
         return torch.cat([_pad_to(getattr(r, name), width, value, left) for r in rollouts])
 
-    behaviour = None
-    if all(r.behaviour_logps is not None for r in rollouts):
-        behaviour = stack("behaviour_logps", completion_width, 0.0, left=False)
+    def stack_if_all(name, width=None, value=None):
+        if any(getattr(r, name) is None for r in rollouts):
+            return None
+        if width is None:  # one value per row
+            return torch.cat([getattr(r, name) for r in rollouts])
+        return stack(name, width, value, left=False)
+
+    environments = None
+    if all(r.environments is not None for r in rollouts):
+        environments = [e for r in rollouts for e in r.environments]
     return Rollout(
         prompts=[p for r in rollouts for p in r.prompts],
         completions=[c for r in rollouts for c in r.completions],
@@ -155,6 +242,10 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         is_truncated=torch.cat([r.is_truncated for r in rollouts]),
         group_size=first.group_size,
         columns={key: [v for r in rollouts for v in r.columns[key]] for key in first.columns},
-        behaviour_logps=behaviour,
+        behaviour_logps=stack_if_all("behaviour_logps", completion_width, 0.0),
         policy_version=min(r.policy_version for r in rollouts),
+        tool_mask=stack_if_all("tool_mask", completion_width, 1),
+        tool_calls=stack_if_all("tool_calls"),
+        tool_failures=stack_if_all("tool_failures"),
+        environments=environments,
     )

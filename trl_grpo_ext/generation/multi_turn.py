@@ -1,0 +1,274 @@
+"""Multi-turn rollouts: the model calls tools, the results come back as tokens, it samples again.
+
+One rollout is a prompt followed by turns: the engine samples until end of turn; when the turn
+holds tool calls (parsed from the model's own chat-template format by transformers'
+`parse_response` with TRL's response templates), the tools run, their results are rendered by the
+chat template as a `tool` message and appended as tokens, and the engine continues from
+prompt + everything so far. The conversation is never re-tokenised: the ids trained on are the
+ids the engine sampled, with the tool results' ids between them (token-in, token-out).
+
+Every completion carries a tool mask: 1 on the model's own tokens, 0 on the tool results', which
+get no gradient and take part in no ratio or KL (TRL's `tool_mask`). `max_completion_length`
+counts both: a tool result that would not fit ends the rollout before it (its messages are
+dropped, as in TRL), and the last turn is cut at the budget.
+
+Nothing here imports the tools package or the trainer: the caller hands over, for each rollout,
+its tools (an object with `functions`, what the chat template renders) and a runner that runs the
+calls of a whole batch concurrently (`run(calls) -> results`).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+from .rollout import completion_mask_from_ids, left_padded
+
+
+class ToolCallFormat:
+    """How a model's chat template writes tool calls and renders tool results.
+
+    Sets TRL's response template for the known chat templates (Qwen2.5, Qwen3, Llama 3.1/3.2 and
+    others: `trl.chat_template_utils.add_response_schema`) when the tokenizer has none; a template
+    that is not prefix-preserving is replaced by TRL's training template, so that a tool result
+    appended as tokens is what the template would render.
+
+    Args:
+        tokenizer: the policy's tokenizer; its chat template must render tool calls and results.
+        chat_template_kwargs (`dict`, *optional*): extra arguments of `apply_chat_template`.
+    """
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+        from trl import chat_template_utils as utils
+
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if not utils.supports_tool_calling(tokenizer):
+            raise ValueError(
+                "Tools were given, but the tokenizer's chat template cannot render a tool call and "
+                "its result (user -> assistant with tool_calls -> tool). Use the tokenizer of a "
+                "model trained for tool calling (Qwen2.5, Qwen3, Llama 3.1+), or set "
+                "tokenizer.chat_template to a template that renders `tool_calls` and `tool` "
+                "messages (docs/agents.md, 'Models without a tool format')."
+            )
+        has_parser = any(
+            getattr(tokenizer, name, None) is not None
+            for name in ("response_template", "response_schema")
+        )
+        if not has_parser:
+            try:
+                utils.add_response_schema(tokenizer)
+            except ValueError as error:
+                raise ValueError(
+                    "Tools were given, but the tokenizer's chat template is not one whose tool-call "
+                    "format is known (Qwen2.5, Qwen3, Llama 3.1/3.2, ...), so calls cannot be parsed "
+                    "from what the model writes. Set tokenizer.response_template (transformers' "
+                    "response parsing; docs/agents.md, 'Models without a tool format') before "
+                    "building the trainer."
+                ) from error
+        self.chat_template = None  # the tokenizer's own
+        if not utils.is_chat_template_prefix_preserving(tokenizer):
+            self.chat_template = utils.get_training_chat_template(tokenizer)
+        parameters = inspect.signature(utils.parse_response).parameters
+        self._parse = utils.parse_response
+        self._parse_takes_context = "prefix" in parameters and "tools" in parameters
+
+    def parse(self, ids: list[int], prefix: list[int], tools) -> dict:
+        """The assistant message of one turn, with its `tool_calls` when it made any (malformed
+        calls come back as plain text, as in TRL)."""
+        if self._parse_takes_context:
+            return self._parse(self.tokenizer, ids, prefix=prefix, tools=tools)
+        return self._parse(self.tokenizer, ids)
+
+    def result_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tokens the chat template puts after an assistant's tool call for these tool
+        results, up to the next assistant header: what the engine continues from.
+
+        Rendered once with a stand-in call and once with the results; the difference is the
+        results' tokens. The stand-in turn is cut after its last eos, where the sampled turn ends
+        (Qwen3 renders a newline after `<|im_end|>`, which then belongs to the results).
+        """
+        call = [
+            {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+        ]
+        messages = [
+            {"role": "user", "content": "dummy"},
+            {"role": "assistant", "content": "", "tool_calls": call},
+        ]
+        render = dict(
+            tokenize=True,
+            return_dict=False,
+            chat_template=self.chat_template,
+            **self.chat_template_kwargs,
+        )
+        before = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **render)
+        after = self.tokenizer.apply_chat_template(
+            messages + tool_messages, add_generation_prompt=True, **render
+        )
+        eos = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
+        if eos:
+            before = before[: eos[-1] + 1]
+        if after[: len(before)] != before:
+            raise ValueError(
+                "The chat template renders an assistant's tool call differently once a tool result "
+                "follows it, so results cannot be appended as tokens. Use a prefix-preserving "
+                "chat template."
+            )
+        return after[len(before) :]
+
+
+@dataclass
+class Turns:
+    """The completions of a batch of multi-turn rollouts, one entry per rollout.
+
+    Attributes:
+        completion_ids (`list[list[int]]`): every turn's tokens and the tool results' between them.
+        tool_mask (`list[list[int]]`): 1 on tokens the model sampled, 0 on tool-result tokens.
+        logps (`list[list[float]]`, *optional*): the engine's log-probs of the sampled tokens,
+            0.0 on tool-result tokens; None when the engine returns none.
+        completions (`list[list[dict]]`): the messages: assistant turns (with `tool_calls`) and
+            `tool` results.
+        calls (`list[int]`): tool calls each rollout made; `failures` of them came back as
+            errors.
+    """
+
+    completion_ids: list[list[int]]
+    tool_mask: list[list[int]]
+    logps: list[list[float]] | None
+    completions: list[list[dict]]
+    calls: list[int]
+    failures: list[int]
+
+
+def _turns_of(completion_ids, logps, eos_token_ids) -> tuple[list, list | None]:
+    """Each row's sampled tokens up to and including its first eos, and their log-probs."""
+    mask, _ = completion_mask_from_ids(completion_ids, eos_token_ids)
+    lengths = mask.sum(dim=1).tolist()
+    ids = [row[:length] for row, length in zip(completion_ids.tolist(), lengths)]
+    if logps is None:
+        return ids, None
+    return ids, [row[:length] for row, length in zip(logps.tolist(), lengths)]
+
+
+class ToolLoop:
+    """Continues sampled completions through tool calls until none is left.
+
+    Args:
+        format ([`ToolCallFormat`]): parses calls and renders results.
+        runner: runs a batch of calls concurrently: `run(calls)` with, per rollout, a list of
+            `(tools, tool_call)` pairs, returns per rollout a list of `(name, result)`, and
+            `tool_message(name, result)` builds the `tool` message.
+        eos_token_ids (`list[int]`): the tokens that end a turn.
+        pad_token_id (`int`): pads prompts handed to the engine.
+        max_completion_length (`int`): the budget of every turn and tool result together.
+        max_model_len (`int`): the engine's longest sequence; a result that would reach it is
+            dropped like one past the budget.
+        max_iterations (`int`, *optional*): tool rounds at most (`max_tool_calling_iterations`).
+    """
+
+    def __init__(
+        self,
+        format: ToolCallFormat,
+        runner,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        max_completion_length: int,
+        max_model_len: int,
+        max_iterations: int | None = None,
+    ):
+        self.format, self.runner = format, runner
+        self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
+        self.max_completion_length, self.max_model_len = max_completion_length, max_model_len
+        self.max_iterations = max_iterations
+
+    def run(self, engine, generation_config, seed, prompt_ids, prompt_mask, tools) -> Turns:
+        """Samples one batch of rollouts, each one completion of its own prompt, through all
+        their tool rounds.
+
+        Args:
+            engine: samples (`generate(prompt_ids, prompt_mask, config, seed)`).
+            generation_config: the sampling settings; one completion per prompt is sampled.
+            seed (`int`, *optional*): the engine's seed for the first turn; round k uses
+                `seed + k` (None: transformers, seeded by the caller).
+            prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts, `(N, P)`, rendered
+                with each rollout's tools.
+            tools (`list`): each rollout's tools (`.functions` is what the template rendered).
+        """
+        config = copy.deepcopy(generation_config)
+        config.num_return_sequences = 1  # every rollout continues its own history
+        _, _, completion_ids, logps = engine.generate(prompt_ids, prompt_mask, config, seed)
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
+        ids, logps = _turns_of(completion_ids, logps, self.eos_token_ids)
+        turns = Turns(
+            completion_ids=ids,
+            tool_mask=[[1] * len(row) for row in ids],
+            logps=logps,
+            completions=[
+                [self.format.parse(row, prompt, tool.functions)]
+                for row, prompt, tool in zip(ids, prompt_ids, tools)
+            ],
+            calls=[0] * len(ids),
+            failures=[0] * len(ids),
+        )
+        active = [
+            i for i, messages in enumerate(turns.completions) if messages[-1].get("tool_calls")
+        ]
+        rounds = 0
+        while active and (self.max_iterations is None or rounds < self.max_iterations):
+            rounds += 1
+            results = self.runner.run(
+                [
+                    [(tools[i], call) for call in turns.completions[i][-1]["tool_calls"]]
+                    for i in active
+                ]
+            )
+            continuing, contexts = [], []
+            for i, calls in zip(active, results):
+                turns.calls[i] += len(calls)
+                turns.failures[i] += sum(_is_error(result) for _, result in calls)
+                messages = [self.runner.tool_message(name, result) for name, result in calls]
+                suffix = self.format.result_ids(messages)
+                length = len(turns.completion_ids[i]) + len(suffix)
+                if length > self.max_completion_length:
+                    continue  # no room for the results: the rollout ends at its call
+                if len(prompt_ids[i]) + length >= self.max_model_len:
+                    continue
+                turns.completions[i].extend(messages)
+                turns.completion_ids[i] += suffix
+                turns.tool_mask[i] += [0] * len(suffix)
+                if turns.logps is not None:
+                    turns.logps[i] += [0.0] * len(suffix)
+                continuing.append(i)
+                contexts.append(prompt_ids[i] + turns.completion_ids[i])
+            if not continuing:
+                break
+            room = max(
+                self.max_completion_length - len(turns.completion_ids[i]) for i in continuing
+            )
+            config.max_new_tokens = room
+            prompt, mask = left_padded(contexts, self.pad_token_id)
+            _, _, new_ids, new_logps = engine.generate(
+                prompt, mask, config, None if seed is None else seed + rounds
+            )
+            new_ids, new_logps = _turns_of(new_ids, new_logps, self.eos_token_ids)
+            active = []
+            for row, i in enumerate(continuing):
+                left = self.max_completion_length - len(turns.completion_ids[i])
+                sampled = new_ids[row][:left]
+                turns.completion_ids[i] += sampled
+                turns.tool_mask[i] += [1] * len(sampled)
+                if turns.logps is not None:
+                    turns.logps[i] += new_logps[row][:left]
+                if not sampled:
+                    continue
+                message = self.format.parse(sampled, contexts[row], tools[i].functions)
+                turns.completions[i].append(message)
+                if message.get("tool_calls"):
+                    active.append(i)
+        return turns
+
+
+def _is_error(result) -> bool:
+    return isinstance(result, dict) and set(result) == {"error"}
