@@ -35,6 +35,7 @@ __all__ = [
     "float32_head",
     "head_token_logprobs",
     "logit_transform",
+    "no_grad_logprobs",
     "output_head",
     "packing_pays",
     "token_logprobs",
@@ -511,6 +512,31 @@ def completion_logprobs(
         logit_scale=scale,
         upcast=cast_lm_head_to_fp32,
     )
+
+
+@torch.no_grad()
+def no_grad_logprobs(logprobs, model, tensors: dict, chunk_size: int) -> torch.Tensor:
+    """Log-probs `(B, T)` of the sampling (or reference) policy: `logprobs(model, rows)` on
+    `chunk_size` rows of `tensors` at a time, without gradient and with dropout off (a dropout
+    mask here would make the first ratio differ from 1 and clip for nothing). The model is
+    handed back in the mode it came in.
+
+    Args:
+        logprobs (`Callable`): `(model, tensors) -> (B, T)` log-probs, e.g. the trainer's
+            `completion_logprobs` of its batch with its temperature and head options.
+        tensors (`dict[str, torch.Tensor]`): tensors of `B` rows each, sliced together.
+    """
+    rows = tensors["input_ids"].shape[0]
+    was_training = model.training
+    model.eval()
+    try:
+        chunks = [
+            logprobs(model, {k: v[i : i + chunk_size] for k, v in tensors.items()})
+            for i in range(0, rows, chunk_size)
+        ]
+    finally:
+        model.train(was_training)
+    return torch.cat(chunks)
 
 
 def _head_outputs(model, head, **inputs):

@@ -17,10 +17,6 @@ accumulation and data parallelism.
 
 from __future__ import annotations
 
-import atexit
-import gc
-import os
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -28,24 +24,17 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
+from . import preparation
 from .batches import split_micro_batches, training_tensors
-from .checkpoints import (
-    RolloutState,
-    checkpoint_step,
-    load_rollout_state,
-    resolve_resume,
-    save_rollout_state,
-)
+from .checkpoints import resolve_resume, restore_trainer_rollout_state, save_trainer_rollout_state
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
+from .eval_rewards import mean_rewards
 from .generation import check_prompt_dataset
-from .generation.engines import engine_model_folder, policy_for_generation
-from .generation.engines import lora_rank as max_lora_rank
-from .generation.producer import RolloutProducer
 from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
-from .hub import HubMixin, is_peft_model
-from .logprobs import completion_logprobs
+from .hub import HubMixin
+from .logprobs import completion_logprobs, no_grad_logprobs
 from .metrics import completions_table, print_completions, rollout_metrics
 from .models import load_policy, prepare_policy
 from .objective import (
@@ -54,18 +43,10 @@ from .objective import (
     group_advantages,
     high_entropy_mask,
     policy_loss,
-    weighted_rewards,
 )
 from .off_policy import behaviour_correction
-from .rewards.model import RewardModel, resolve_reward_models
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
-from .scoring import (
-    call_reward_funcs,
-    resolve_reward_funcs,
-    reward_func_list,
-    reward_name,
-    reward_weights,
-)
+from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
@@ -79,22 +60,6 @@ _SURROGATE_FIELDS = (
     "vespo_k_neg",
     "vespo_lambda_neg",
 )
-
-
-def _end_distributed_at_exit(trainer_ref) -> None:
-    """Tears down the process group while the interpreter is still whole.
-
-    Left to interpreter shutdown, gloo's worker threads free finished collectives (and their
-    tensors) while Python is being torn down, which aborts the process now and then after a
-    finished run (exit code -6). The data-parallel wrapper holds the process group, so it is
-    released first."""
-    trainer = trainer_ref()
-    if trainer is None or not torch.distributed.is_initialized():
-        return
-    trainer.accelerator.free_memory()
-    trainer.model_wrapped = trainer.model
-    gc.collect()
-    trainer.accelerator.end_training()
 
 
 class GroupRelativeTrainer(HubMixin, Trainer):
@@ -153,29 +118,19 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         quantization_config=None,
         peft_config=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = GroupRelativeConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
-        if not isinstance(args, GroupRelativeConfig):
-            raise TypeError(
-                f"args must be a GroupRelativeConfig, got {type(args).__name__}; build one with "
-                "GroupRelativeConfig(**your_args.to_dict()) or the same fields."
-            )
+        args = preparation.trainer_config(model, args)
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
-        reward_funcs, self.reward_processing_classes = resolve_reward_models(
-            reward_func_list(reward_funcs), reward_processing_classes, args
-        )
-        self.reward_funcs = resolve_reward_funcs(reward_funcs)
-        self.reward_names = [reward_name(func) for func in self.reward_funcs]
-        self.reward_weights = reward_weights(args.reward_weights, self.reward_names)
+        (
+            self.reward_funcs,
+            self.reward_names,
+            self.reward_weights,
+            self.reward_processing_classes,
+        ) = preparation.prepare_rewards(reward_funcs, reward_processing_classes, args)
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split)
 
-        engine_folder = None
-        if args.use_vllm and args.vllm_mode == "colocate":
-            base = model.get_base_model() if is_peft_model(model) else model
-            engine_folder = engine_model_folder(base, processing_class)
+        engine_folder = preparation.colocated_engine_folder(model, processing_class, args)
         model, self.ref_model = prepare_policy(model, args, peft_config)
 
         super().__init__(
@@ -188,38 +143,15 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        for func in self.reward_funcs:
-            if isinstance(func, RewardModel):
-                func.prepare(self.accelerator, self.is_deepspeed_enabled)
-        if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-            if args.sync_ref_model:
-                from trl.trainer.callbacks import SyncRefModelCallback
-
-                self.add_callback(SyncRefModelCallback(self.ref_model, self.accelerator))
+        preparation.place_reward_and_reference_models(self)
         self.eos_token_ids = eos_token_ids(model, processing_class)
-        lora_rank = max_lora_rank(model) if is_peft_model(model) else None
-        self.rollouts = RolloutProducer(
-            args,
-            processing_class,
-            self.eos_token_ids,
-            policy=lambda: policy_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                args.ds3_gather_for_generation,
-                args.gradient_checkpointing_kwargs,
-            ),
-            model=lambda: self.accelerator.unwrap_model(self.model),
-            engine_folder=engine_folder,
-            lora_rank=lora_rank,
-        )
+        self.rollouts = preparation.rollout_producer(self, model, engine_folder)
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self.model_card_sections: dict[str, str] = {}
         self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
-        if args.world_size > 1:
-            atexit.register(_end_distributed_at_exit, weakref.ref(self))
+        preparation.end_distributed_at_exit(self)
 
     # ------------------------------------------------------------------ data
 
@@ -425,21 +357,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
         )
 
-    @torch.no_grad()
     def _logps_in_chunks(self, model, tensors, chunk_size):
         """Log-probs of the sampling (or reference) policy, without gradient and with dropout
-        off: a dropout mask here would make the first ratio differ from 1 and clip for nothing."""
-        rows = tensors["input_ids"].shape[0]
-        was_training = model.training
-        model.eval()
-        try:
-            chunks = [
-                self._token_logprobs(model, {k: v[i : i + chunk_size] for k, v in tensors.items()})
-                for i in range(0, rows, chunk_size)
-            ]
-        finally:
-            model.train(was_training)
-        return torch.cat(chunks)
+        off (`logprobs.no_grad_logprobs`)."""
+        return no_grad_logprobs(self._token_logprobs, model, tensors, chunk_size)
 
     def _sample(self, rows: list[dict], index: int, round_index: int = 0) -> Rollout:
         """One generation batch: in this process (synchronous) or from the rollout worker."""
@@ -573,25 +494,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (passed here or to the trainer).")
-        rank, world = self.args.process_index, self.args.world_size
-        indices = list(range(rank, len(dataset), world))
-        chunk = max(self.args.prompts_per_generation, 1)
-        sums = torch.zeros(len(self.reward_funcs) + 1, device=self.accelerator.device)
-        counts = torch.zeros_like(sums)
-        with self.rollouts.evaluating():  # num_generations_eval completions per prompt
-            for start in range(0, len(indices), chunk):
-                rows = [dataset[i] for i in indices[start : start + chunk]]
-                rewards = self.score_rollouts(self.generate_rollouts(rows)).to(sums.device)
-                total = weighted_rewards(rewards, self.reward_weights.to(sums.device))
-                values = torch.cat([total.unsqueeze(1), rewards], dim=1)  # (N, 1 + F)
-                valid = ~values.isnan()
-                sums += values.nan_to_num().sum(0)
-                counts += valid.sum(0)
-        sums = self.accelerator.reduce(sums, reduction="sum")
-        counts = self.accelerator.reduce(counts, reduction="sum").clamp(min=1)
-        means = (sums / counts).tolist()
-        names = ["reward"] + [f"rewards/{name}/mean" for name in self.reward_names]
-        metrics = {f"{metric_key_prefix}_{name}": value for name, value in zip(names, means)}
+        metrics = mean_rewards(self, dataset, metric_key_prefix)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(
             self.args, self.state, self.control, metrics
@@ -605,43 +508,14 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         whose writing was interrupted) and resumes from the last complete one."""
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
-            self._restore_rollout_state(resume_from_checkpoint)
+            restore_trainer_rollout_state(self, resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self.rollouts.close()
 
     def _save_rng_state(self, output_dir: str) -> None:
-        """Also writes the rollout state (`checkpoints.save_rollout_state`): here every process
-        writes its own, before `trainer_state.json` marks the checkpoint complete."""
+        """Also writes the rollout state (`checkpoints.save_trainer_rollout_state`): here every
+        process writes its own, before `trainer_state.json` marks the checkpoint complete."""
         super()._save_rng_state(output_dir)
-        args = self.args
-        window = args.steps_per_generation * args.num_iterations
-        inside_window = self.state.global_step * args.gradient_accumulation_steps % window != 0
-        state = RolloutState(
-            global_step=self.state.global_step,
-            micro_batches=self._buffer if inside_window else None,
-            in_flight=self.rollouts.in_flight(),
-            metrics=dict(self._metrics),
-            staleness_counts=self.rollouts.staleness_counts,
-        )
-        save_rollout_state(output_dir, state, args.process_index, args.world_size)
-
-    def _restore_rollout_state(self, checkpoint: str) -> None:
-        """Puts back what `_save_rng_state` saved: the buffered window, the in-flight batches
-        (served to the next rollout worker) and the metrics not logged yet."""
-        args = self.args
-        window = args.steps_per_generation * args.num_iterations
-        step = checkpoint_step(checkpoint)
-        state = load_rollout_state(
-            checkpoint,
-            self.accelerator.device,
-            args.process_index,
-            args.world_size,
-            needed=bool(step * args.gradient_accumulation_steps % window or args.max_staleness),
-        ) or RolloutState(global_step=step)
-        self._buffer = state.micro_batches
-        self.rollouts.restored = state.in_flight
-        self._metrics.clear()
-        self._metrics.update(state.metrics)
-        self.rollouts.staleness_counts = state.staleness_counts
+        save_trainer_rollout_state(self, output_dir)

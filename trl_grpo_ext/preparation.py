@@ -1,0 +1,123 @@
+"""What `GroupRelativeTrainer.__init__` prepares around `transformers.Trainer.__init__`.
+
+Before it: the configuration (a default one, or a check that it is a `GroupRelativeConfig`), the
+reward functions with their names and weights, and the folder a colocated vLLM engine loads the
+base model from. After it, once the trainer has an `Accelerator`: the reward and reference models
+placed on its device, the `RolloutProducer` that is the trainer's one generation path, and the
+teardown of the process group at exit. Each step is a function, so the constructor reads as the
+list of them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import weakref
+
+import torch
+
+from .config import GroupRelativeConfig
+from .generation.engines import engine_model_folder, policy_for_generation
+from .generation.engines import lora_rank as max_lora_rank
+from .generation.producer import RolloutProducer
+from .hub import is_peft_model
+from .rewards.model import RewardModel, resolve_reward_models
+from .scoring import resolve_reward_funcs, reward_func_list, reward_name, reward_weights
+
+
+def trainer_config(model, args: GroupRelativeConfig | None) -> GroupRelativeConfig:
+    """`args`, checked to be a [`GroupRelativeConfig`]; when None, the default one, with
+    `output_dir` `"<model name>-GRPO"`."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = GroupRelativeConfig(output_dir=f"{os.path.basename(str(name)) or 'model'}-GRPO")
+    if not isinstance(args, GroupRelativeConfig):
+        raise TypeError(
+            f"args must be a GroupRelativeConfig, got {type(args).__name__}; build one with "
+            "GroupRelativeConfig(**your_args.to_dict()) or the same fields."
+        )
+    return args
+
+
+def prepare_rewards(reward_funcs, reward_processing_classes, args: GroupRelativeConfig):
+    """The trainer's reward functions: reward models loaded and wrapped
+    (`rewards.model.resolve_reward_models`), registry names and import paths resolved.
+
+    Returns:
+        `(reward_funcs, reward_names, reward_weights, reward_processing_classes)`: the callables,
+        their metric names, the `(F,)` weights of `args.reward_weights`, and the processing class
+        of each reward model (`None` for functions).
+    """
+    funcs, processing_classes = resolve_reward_models(
+        reward_func_list(reward_funcs), reward_processing_classes, args
+    )
+    funcs = resolve_reward_funcs(funcs)
+    names = [reward_name(func) for func in funcs]
+    return funcs, names, reward_weights(args.reward_weights, names), processing_classes
+
+
+def colocated_engine_folder(model, processing_class, args: GroupRelativeConfig) -> str | None:
+    """The folder a colocated vLLM engine loads the base model from (without adapters); None
+    for the other engines. Taken before `models.prepare_policy` wraps the model."""
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        return None
+    base = model.get_base_model() if is_peft_model(model) else model
+    return engine_model_folder(base, processing_class)
+
+
+def place_reward_and_reference_models(trainer) -> None:
+    """Puts the reward models and the reference model on the trainer's device (wrapped for
+    DeepSpeed where it runs), and adds TRL's `SyncRefModelCallback` with `sync_ref_model`."""
+    for func in trainer.reward_funcs:
+        if isinstance(func, RewardModel):
+            func.prepare(trainer.accelerator, trainer.is_deepspeed_enabled)
+    if trainer.ref_model is None:
+        return
+    trainer.ref_model = trainer.accelerator.prepare_model(trainer.ref_model, evaluation_mode=True)
+    if trainer.args.sync_ref_model:
+        from trl.trainer.callbacks import SyncRefModelCallback
+
+        trainer.add_callback(SyncRefModelCallback(trainer.ref_model, trainer.accelerator))
+
+
+def rollout_producer(trainer, model, engine_folder: str | None) -> RolloutProducer:
+    """The trainer's `RolloutProducer`. It asks the trainer for the policy each time it samples,
+    so it sees the current (wrapped) model and weights; `model` (the policy as prepared by
+    `models.prepare_policy`) gives the LoRA rank a vLLM engine is started with."""
+    args = trainer.args
+    return RolloutProducer(
+        args,
+        trainer.processing_class,
+        trainer.eos_token_ids,
+        policy=lambda: policy_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            args.ds3_gather_for_generation,
+            args.gradient_checkpointing_kwargs,
+        ),
+        model=lambda: trainer.accelerator.unwrap_model(trainer.model),
+        engine_folder=engine_folder,
+        lora_rank=max_lora_rank(model) if is_peft_model(model) else None,
+    )
+
+
+def end_distributed_at_exit(trainer) -> None:
+    """With several processes, tears down the process group at exit while the interpreter is
+    still whole (`_end_distributed`); holds the trainer only weakly."""
+    if trainer.args.world_size > 1:
+        atexit.register(_end_distributed, weakref.ref(trainer))
+
+
+def _end_distributed(trainer_ref) -> None:
+    """Left to interpreter shutdown, gloo's worker threads free finished collectives (and their
+    tensors) while Python is being torn down, which aborts the process now and then after a
+    finished run (exit code -6). The data-parallel wrapper holds the process group, so it is
+    released first."""
+    trainer = trainer_ref()
+    if trainer is None or not torch.distributed.is_initialized():
+        return
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
+    gc.collect()
+    trainer.accelerator.end_training()
