@@ -1,0 +1,475 @@
+"""Tools and environments (`trl_grpo_ext.tools`): TRL's contract for `tools=` and
+`environment_factory`, and the runner that executes a batch's tool calls concurrently under a
+timeout. CPU only, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_layout import PACKAGE, imported_modules, module_files, outside
+
+from trl_grpo_ext.tools import (
+    Environments,
+    ToolResult,
+    ToolRunner,
+    ToolSet,
+    append_observation,
+    environment_prompt,
+    tool_counts,
+    tool_message,
+    tool_metrics,
+)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def fail(reason: str) -> str:
+    """Always raise.
+
+    Args:
+        reason: What the error says.
+    """
+    raise RuntimeError(reason)
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+async def async_nap(seconds: float) -> str:
+    """Sleep without blocking the loop, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    await asyncio.sleep(seconds)
+    return f"awoke after {seconds}"
+
+
+def call(name: str, **arguments) -> dict:
+    """A tool call as `transformers`' `parse_response` returns it."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# ToolSet
+
+
+def test_toolset_names_functions_and_schemas():
+    tools = ToolSet([add, async_nap])
+    assert tools.names == ["add", "async_nap"]
+    assert tools.functions == [add, async_nap]
+    assert "add" in tools and "missing" not in tools and tools["add"] is add
+    assert not tools.is_async("add") and tools.is_async("async_nap")
+    schema = tools.schemas[0]["function"]
+    assert schema["name"] == "add" and schema["parameters"]["required"] == ["a", "b"]
+    assert schema["parameters"]["properties"]["a"] == {
+        "type": "integer",
+        "description": "The first integer.",
+    }
+
+
+def test_toolset_rejects_a_function_the_model_cannot_see():
+    def no_hints(x):
+        """Echo.
+
+        Args:
+            x: The value.
+        """
+        return x
+
+    def no_docstring(x: int) -> int:
+        return x
+
+    for tool in (no_hints, no_docstring):
+        with pytest.raises(ValueError, match=rf"`{tool.__name__}`.*type hint.*`Args:`"):
+            ToolSet([tool])
+
+
+def test_toolset_rejects_two_tools_with_one_name():
+    def add(x: int) -> int:  # noqa: F811 - the clash is the point
+        """Another add.
+
+        Args:
+            x: The value.
+        """
+        return x
+
+    with pytest.raises(ValueError, match="Two tools are named `add`"):
+        ToolSet([globals()["add"], add])
+
+
+# Environments
+
+
+class Counter:
+    """An environment: its tools act on its own count; `get_reward` reads it."""
+
+    instances = 0
+
+    def __init__(self):
+        Counter.instances += 1
+        self.count, self.rows = 0, []
+
+    def reset(self, **row) -> str | None:
+        self.count = row.get("start", 0)
+        self.rows.append(row)
+        return row.get("observation")
+
+    def increment(self, step: int) -> int:
+        """Increase the count.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+    def _private(self) -> None:
+        raise AssertionError("private methods are not tools")
+
+    @property
+    def exploding(self) -> int:
+        raise AssertionError("properties must not be evaluated while listing tools")
+
+
+class Maze:
+    def reset(self, **row) -> None:
+        return None
+
+    def move(self, direction: str) -> str:
+        """Move one step.
+
+        Args:
+            direction: One of north, south, east, west.
+        """
+        return direction
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return -1.0
+
+
+class CounterSubclass(Counter):
+    pass
+
+
+def test_environment_without_reset_is_rejected():
+    class NoReset:
+        def step(self, x: int) -> int:
+            """Step.
+
+            Args:
+                x: The value.
+            """
+            return x
+
+    with pytest.raises(
+        ValueError, match=r"NoReset.*has no `reset` method.*define `reset\(self, \*\*row\)"
+    ):
+        Environments(NoReset)
+
+
+def test_public_methods_are_the_tools_bound_to_each_instance():
+    environments = Environments(Counter)  # the `exploding` property would raise if evaluated
+    first, second = environments.acquire([None, None])
+    tools = environments.toolset_for_instance(first, standalone=[add])
+    assert tools.names == ["add", "increment"]
+    assert tools["increment"](step=3) == 3 and first.count == 3 and second.count == 0
+    assert environments.tools_for(None, [add]).names == ["add", "increment"]
+
+
+def test_tool_method_without_docstring_fails_at_construction():
+    class Bare:
+        def reset(self, **row):
+            return None
+
+        def act(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="`act`"):
+        Environments(Bare)
+
+
+def test_dict_factory_routes_rows_by_their_environment_field():
+    environments = Environments({"counter": Counter, "maze": Maze})
+    rows = [{"environment": "maze"}, {"environment": "counter", "start": 2}]
+    names = [environments.name_of_row(row) for row in rows]
+    assert names == ["maze", "counter"]
+    maze, counter = environments.acquire(names)
+    assert type(maze) is Maze and type(counter) is Counter
+    assert environments.tools_for("maze").names == ["move"]
+    environments.reset(counter, rows[1])
+    assert counter.rows[-1] == {"start": 2}  # the routing field is not passed to reset
+    with pytest.raises(
+        ValueError, match=r"environment='chess'.*Expected one of: \['counter', 'maze'\]"
+    ):
+        environments.name_of_row({"environment": "chess"})
+    with pytest.raises(ValueError, match="Expected one of"):
+        environments.acquire(["chess"])
+
+
+def test_single_factory_passes_the_whole_row_to_reset():
+    environments = Environments(Counter)
+    assert environments.name_of_row({"environment": "anything"}) is None
+    (counter,) = environments.acquire([None])
+    row = {"prompt": [{"role": "user", "content": "hi"}], "start": 5, "environment": "x"}
+    assert environments.reset(counter, row) is None
+    assert counter.rows[-1] == row and counter.count == 5
+
+
+def test_pool_reuses_instances_across_batches_and_grows_on_demand():
+    Counter.instances = 0
+    environments = Environments(Counter)
+    assert Counter.instances == 1  # the probe
+    first = environments.acquire([None] * 3)
+    second = environments.acquire([None] * 3)
+    assert len({id(e) for e in first}) == 3  # distinct within a batch
+    assert all(a is b for a, b in zip(first, second))  # the same objects next batch
+    assert Counter.instances == 3  # the probe was reused, two more were made
+    assert len(environments.acquire([None] * 4)) == 4 and Counter.instances == 4
+
+
+def test_reset_must_return_none_str_or_content_parts():
+    environments = Environments(Counter)
+    (counter,) = environments.acquire([None])
+    assert environments.reset(counter, {"observation": "You are at 0."}) == "You are at 0."
+    parts = [{"type": "text", "text": "look"}]
+    assert environments.reset(counter, {"observation": parts}) == parts
+    with pytest.raises(TypeError, match="Counter.reset returned a int; it must return None"):
+        environments.reset(counter, {"observation": 7})
+
+
+def test_observation_is_appended_to_the_last_message_as_in_trl():
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "Go."}]
+    assert append_observation(prompt, " Now at 0.") == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Go. Now at 0."},  # no separator added
+    ]
+    assert prompt[1]["content"] == "Go."  # the row is untouched
+    assert append_observation(prompt, None) == prompt
+    image_prompt = [{"role": "user", "content": [{"type": "image"}]}]
+    assert append_observation(image_prompt, "Hi")[-1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "Hi"},
+    ]
+    assert append_observation(prompt, [{"type": "image"}])[-1]["content"] == [
+        {"type": "text", "text": "Go."},
+        {"type": "image"},
+    ]
+    assert environment_prompt({}) == [{"role": "user", "content": ""}]
+
+
+def test_get_reward_becomes_one_reward_function_per_class():
+    environments = Environments({"a": Counter, "b": Counter, "sub": CounterSubclass, "maze": Maze})
+    rewards = dict(environments.reward_functions())
+    assert list(rewards) == ["Counter", "CounterSubclass", "Maze"]  # Counter once for two names
+    assert rewards["Counter"].__name__ == "Counter"
+    counter, sub, maze = environments.acquire(["a", "sub", "maze"])
+    counter.count, sub.count = 4, 9
+    environments_of_batch = [counter, sub, maze]
+    # exact class match: the subclass instance is not scored by Counter's function
+    assert rewards["Counter"](environments=environments_of_batch, prompts=None) == [4.0, None, None]
+    assert rewards["CounterSubclass"](environments=environments_of_batch) == [None, 9.0, None]
+    assert asyncio.iscoroutinefunction(rewards["Maze"])
+    assert asyncio.run(rewards["Maze"](environments=environments_of_batch)) == [None, None, -1.0]
+
+
+# ToolRunner
+
+
+@pytest.fixture
+def runner():
+    with ToolRunner(max_workers=8, timeout=5.0) as runner:
+        yield runner
+
+
+def test_results_keep_call_order_per_rollout(runner):
+    tools = ToolSet([add, async_nap, nap])
+    calls = [
+        [(tools, call("async_nap", seconds=0.05)), (tools, call("add", a=1, b=2))],
+        [],
+        [(tools, call("nap", seconds=0.01)), (tools, call("add", a=3, b=4))],
+    ]
+    results = runner.run(calls)
+    assert results == [
+        [ToolResult("async_nap", "awoke after 0.05"), ToolResult("add", 3)],
+        [],
+        [ToolResult("nap", "slept 0.01"), ToolResult("add", 7)],
+    ]
+    assert tool_counts(results) == (4, 0)
+
+
+def test_failures_are_error_results_for_the_model(runner):
+    tools = ToolSet([add, fail])
+    results = runner.run(
+        [
+            [(tools, call("fail", reason="disk full"))],
+            [(tools, call("missing"))],
+            [(tools, {"type": "retrieval", "name": "search"})],
+            [(tools, call("add", a=1))],
+            [(tools, call("add", a=1, b=2, c=3))],
+            [(tools, call("add", a=1, b=2))],
+        ]
+    )
+    contents = [rollout[0].content for rollout in results]
+    assert contents[0] == {"error": "disk full"}
+    assert contents[1] == {"error": "Tool missing not found."}
+    assert contents[2] == {"error": "Unsupported tool call type: retrieval"}
+    assert results[2][0].name == "search"
+    assert "missing a required argument: 'b'" in contents[3]["error"]
+    assert "unexpected keyword argument 'c'" in contents[4]["error"]
+    assert contents[5] == 3
+    assert [rollout[0].failed for rollout in results] == [True] * 5 + [False]
+    assert tool_counts(results) == (6, 5)
+
+
+def test_async_tool_exceptions_are_errors(runner):
+    async def async_fail(reason: str) -> str:
+        """Raise.
+
+        Args:
+            reason: The message.
+        """
+        raise ValueError(reason)
+
+    tools = ToolSet([async_fail])
+    (result,) = runner.run([[(tools, call("async_fail", reason="bad"))]])[0]
+    assert result == ToolResult("async_fail", {"error": "bad"}, failed=True)
+
+
+def test_a_sync_tool_past_its_timeout_does_not_hold_up_the_batch():
+    tools = ToolSet([nap, add])
+    with ToolRunner(max_workers=1, timeout=0.3, timeout_setting="tool_timeout") as runner:
+        start = time.monotonic()
+        results = runner.run([[(tools, call("nap", seconds=5))], [(tools, call("add", a=2, b=2))]])
+        elapsed = time.monotonic() - start
+        # the second call got a fresh worker although the only one is stuck in `nap`
+        assert results[1] == [ToolResult("add", 4)]
+        assert runner.run([[(tools, call("add", a=1, b=1))]]) == [[ToolResult("add", 2)]]
+    assert elapsed < 2.0
+    assert results[0][0].failed
+    assert results[0][0].content["error"] == (
+        "Tool nap timed out after 0.3 s. Raise the limit with `tool_timeout` if the tool needs longer."
+    )
+
+
+def test_an_async_tool_past_its_timeout_is_cancelled():
+    cancelled = threading.Event()
+
+    async def hang(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: How long.
+        """
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "done"
+
+    with ToolRunner(timeout=0.3) as runner:
+        start = time.monotonic()
+        (result,) = runner.run([[(ToolSet([hang]), call("hang", seconds=5))]])[0]
+        assert time.monotonic() - start < 2.0
+        assert cancelled.wait(2.0)
+    assert "timed out after 0.3 s" in result.content["error"]
+
+
+def test_sync_calls_of_a_batch_run_concurrently(runner):
+    tools = ToolSet([nap])
+    start = time.monotonic()
+    results = runner.run([[(tools, call("nap", seconds=0.2))] for _ in range(8)])
+    assert time.monotonic() - start < 1.0  # one after the other: 1.6 s
+    assert results == [[ToolResult("nap", "slept 0.2")]] * 8
+
+
+def test_async_calls_of_a_batch_run_concurrently(runner):
+    tools = ToolSet([async_nap])
+    start = time.monotonic()
+    results = runner.run([[(tools, call("async_nap", seconds=0.2))] for _ in range(8)])
+    assert time.monotonic() - start < 1.0
+    assert results == [[ToolResult("async_nap", "awoke after 0.2")]] * 8
+
+
+def test_sync_and_async_calls_run_together(runner):
+    tools = ToolSet([nap, async_nap])
+    start = time.monotonic()
+    results = runner.run(
+        [[(tools, call("nap", seconds=0.3)), (tools, call("async_nap", seconds=0.3))]] * 4
+    )
+    assert time.monotonic() - start < 1.0  # one after the other: 2.4 s
+    assert (
+        results
+        == [[ToolResult("nap", "slept 0.3"), ToolResult("async_nap", "awoke after 0.3")]] * 4
+    )
+
+
+def test_close_leaves_no_threads():
+    before = set(threading.enumerate())
+    runner = ToolRunner(max_workers=4)
+    tools = ToolSet([nap, async_nap])
+    runner.run([[(tools, call("nap", seconds=0.01)), (tools, call("async_nap", seconds=0.01))]])
+    assert len(set(threading.enumerate()) - before) == 5  # 4 workers and the event loop
+    runner.close()
+    assert set(threading.enumerate()) - before == set()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.run([[(tools, call("nap", seconds=0.01))]])
+
+
+def test_tool_metrics_match_trl():
+    assert tool_metrics(calls=6, failures=3, num_rollouts=4) == {
+        "tools/call_frequency": 1.5,
+        "tools/failure_frequency": 0.5,
+    }
+    assert tool_metrics(0, 0, 4)["tools/failure_frequency"] == 0.0
+
+
+def test_tool_messages_match_trl():
+    assert tool_message("add", 3) == {"role": "tool", "name": "add", "content": "3"}
+    assert tool_message("f", {"error": "x"})["content"] == "{'error': 'x'}"
+    parts = [{"type": "text", "text": "a"}]
+    assert ToolResult("look", parts).message() == {"role": "tool", "name": "look", "content": parts}
+
+
+def test_runner_calls_environment_methods_on_each_rollouts_own_instance(runner):
+    environments = Environments(Counter)
+    instances = environments.acquire([None, None])
+    calls = [
+        [(environments.toolset_for_instance(e), call("increment", step=step))]
+        for e, step in zip(instances, (1, 10))
+    ]
+    assert runner.run(calls) == [[ToolResult("increment", 1)], [ToolResult("increment", 10)]]
+    assert [e.count for e in instances] == [1, 10]
+
+
+@pytest.mark.parametrize(
+    "path, module, is_package",
+    list(module_files(PACKAGE / "tools")),
+    ids=lambda value: value.name if isinstance(value, Path) else None,
+)
+def test_tools_import_nothing_else_from_the_package(path, module, is_package):
+    names = imported_modules(path.read_text(encoding="utf-8"), module, is_package)
+    assert not outside(names, ("trl_grpo_ext.tools",))

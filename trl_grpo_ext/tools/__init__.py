@@ -1,0 +1,42 @@
+"""Tools and environments for multi-turn rollouts, with the contract of TRL's `GRPOTrainer`.
+
+- `ToolSet`: named tool functions and their JSON schemas (`tools=` of TRL).
+- `Environments`: `environment_factory` of TRL: a pool of instances, `reset(**row)`, their public
+  methods as tools, `get_reward()` as reward functions.
+- `ToolRunner`: runs the tool calls of a batch concurrently, each under a timeout; a failure is
+  an `{"error": ...}` result for the model; `tool_message` and `tool_metrics` as TRL makes them.
+
+This package imports nothing from generation or training: the multi-turn loop and the trainer
+call it.
+"""
+
+from .environments import (
+    ENVIRONMENT_FIELD,
+    EnvironmentFactory,
+    Environments,
+    append_observation,
+    environment_prompt,
+    tool_method_names,
+)
+from .functions import ToolSet, as_toolset, is_async_callable
+from .results import ToolResult, error_result, tool_counts, tool_message, tool_metrics
+from .runner import ToolCall, ToolRunner
+
+__all__ = [
+    "ENVIRONMENT_FIELD",
+    "EnvironmentFactory",
+    "Environments",
+    "ToolCall",
+    "ToolResult",
+    "ToolRunner",
+    "ToolSet",
+    "append_observation",
+    "as_toolset",
+    "environment_prompt",
+    "error_result",
+    "is_async_callable",
+    "tool_counts",
+    "tool_message",
+    "tool_method_names",
+    "tool_metrics",
+]
