@@ -12,11 +12,6 @@ from trainer_helpers import odd_first_byte
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
-# Arguments of trl.GRPOTrainer.__init__ that this trainer does not take yet. Tracked in the
-# agents work (multi-turn tool use, environments and custom rollouts, on top of the generation
-# package); remove a name here when its argument lands. Any other missing argument fails.
-TRACKED_MISSING = {"tools", "rollout_func", "environment_factory"}
-
 
 def _parameters(cls):
     return [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
@@ -29,11 +24,9 @@ def _parameters(cls):
 def test_every_trl_constructor_argument_exists_here_with_trls_kind_and_default():
     theirs = _parameters(trl.GRPOTrainer)
     ours = {p.name: p for p in _parameters(GroupRelativeTrainer)}
-    missing = [p.name for p in theirs if p.name not in ours and p.name not in TRACKED_MISSING]
+    missing = [p.name for p in theirs if p.name not in ours]
     assert not missing, f"trl.GRPOTrainer takes {missing}, GroupRelativeTrainer does not"
     for parameter in theirs:
-        if parameter.name not in ours:
-            continue
         mine = ours[parameter.name]
         assert mine.kind == parameter.kind, parameter.name
         assert mine.default == parameter.default, (parameter.name, mine.default)

@@ -44,7 +44,12 @@ def make_trainer(
     trainer_class=GroupRelativeTrainer,
     **config,
 ):
-    """A trainer on the tiny model with fast defaults; `config` overrides GroupRelativeConfig."""
+    """A trainer on the tiny model with fast defaults; `config` overrides GroupRelativeConfig,
+    but `tools`, `environment_factory` and `rollout_func`, which go to the trainer (and with an
+    `environment_factory`, `dataset=None` means no dataset)."""
+    agent = {
+        k: config.pop(k) for k in ("tools", "environment_factory", "rollout_func") if k in config
+    }
     if model is None:
         model, built_tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
         tokenizer = tokenizer or built_tokenizer
@@ -66,9 +71,10 @@ def make_trainer(
         model=model,
         reward_funcs=reward_funcs,
         args=args,
-        train_dataset=digit_sums() if dataset is None else dataset,
+        train_dataset=digit_sums() if dataset is None and not agent else dataset,
         processing_class=tokenizer,
         peft_config=(peft_config or lora_config()) if peft and model is not None else None,
+        **agent,
     )
 
 

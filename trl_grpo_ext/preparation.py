@@ -40,21 +40,71 @@ def trainer_config(model, args: GroupRelativeConfig | None) -> GroupRelativeConf
     return args
 
 
-def prepare_rewards(reward_funcs, reward_processing_classes, args: GroupRelativeConfig):
+def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
+    """The run's `tools.Agent` when it has tools or environments, else None. Checks what they
+    cannot be combined with."""
+    if rollout_func is not None and args.max_staleness is not None:
+        raise ValueError(
+            "rollout_func samples in the training process: unset max_staleness, whose rollout "
+            "worker would sample without it."
+        )
+    if not tools and environment_factory is None:
+        return None
+    if rollout_func is not None:
+        raise ValueError(
+            "rollout_func samples whole rollouts itself, so the trainer's tools and environments "
+            "would not be used: call your tools inside rollout_func, or drop rollout_func."
+        )
+    from .tools import Agent
+
+    built = Agent(
+        tools, environment_factory, timeout=args.tool_call_timeout, workers=args.tool_call_workers
+    )
+    weakref.finalize(built, built.runner.close)
+    return built
+
+
+def environment_dataset(train_dataset, args: GroupRelativeConfig):
+    """`train_dataset`, or, without one, rows of an empty user message for the environments'
+    `reset()` to fill in: one generation batch of them, repeated for `max_steps` steps."""
+    if train_dataset is not None:
+        return train_dataset
+    if args.max_steps <= 0:
+        raise ValueError(
+            "Without a train_dataset the environments' reset() supplies the prompts, and "
+            "max_steps sets how long to train: set max_steps to a positive number of steps."
+        )
+    from datasets import Dataset
+
+    rows = args.prompts_per_generation * args.world_size
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+
+
+def prepare_rewards(reward_funcs, reward_processing_classes, args: GroupRelativeConfig, agent=None):
     """The trainer's reward functions: reward models loaded and wrapped
-    (`rewards.model.resolve_reward_models`), registry names and import paths resolved.
+    (`rewards.model.resolve_reward_models`), registry names and import paths resolved, then the
+    `get_reward` of each environment class (weight 1, named after the class), as TRL adds it;
+    with those, `reward_funcs` may be None.
 
     Returns:
         `(reward_funcs, reward_names, reward_weights, reward_processing_classes)`: the callables,
         their metric names, the `(F,)` weights of `args.reward_weights`, and the processing class
         of each reward model (`None` for functions).
     """
-    funcs, processing_classes = resolve_reward_models(
-        reward_func_list(reward_funcs), reward_processing_classes, args
-    )
-    funcs = resolve_reward_funcs(funcs)
+    extra = agent.reward_functions() if agent is not None else []
+    if extra and (reward_funcs is None or reward_funcs == []):
+        funcs, processing_classes = [], []
+    else:
+        funcs, processing_classes = resolve_reward_models(
+            reward_func_list(reward_funcs), reward_processing_classes, args
+        )
+        funcs = resolve_reward_funcs(funcs)
     names = [reward_name(func) for func in funcs]
-    return funcs, names, reward_weights(args.reward_weights, names), processing_classes
+    weights = reward_weights(args.reward_weights, names)
+    funcs += [func for _, func in extra]
+    names += [name for name, _ in extra]
+    weights = torch.cat([weights, torch.ones(len(extra))])
+    return funcs, names, weights, processing_classes + [None] * len(extra)
 
 
 def colocated_engine_folder(model, processing_class, args: GroupRelativeConfig) -> str | None:
@@ -99,6 +149,7 @@ def rollout_producer(trainer, model, engine_folder: str | None) -> RolloutProduc
         model=lambda: trainer.accelerator.unwrap_model(trainer.model),
         engine_folder=engine_folder,
         lora_rank=max_lora_rank(model) if is_peft_model(model) else None,
+        agent=trainer.agent,
     )
 
 

@@ -98,6 +98,24 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             error with a model object, which is loaded already.
         peft_config (`peft.PeftConfig`, *optional*):
             Wraps the model with these adapters; only they are trained.
+        tools (`list[Callable]`, *optional*):
+            Functions the model may call (sync or async), with type hints and a Google-style
+            docstring, from which the chat template renders their schemas. Rollouts become
+            multi-turn: a call the model writes is run, its result appended as tokens, and the
+            model continues (docs/agents.md).
+        rollout_func (`Callable`, *optional*):
+            Samples the rollouts instead of the trainer (TRL's contract):
+            `rollout_func(prompts, trainer)` gets each prompt once per completion and returns a
+            dict with `prompt_ids`, `completion_ids` and `logprobs` (or None) per completion,
+            optionally `env_mask` (0 on tokens the model did not sample) and more fields, which
+            the reward functions receive.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
+            Builds one environment per rollout (TRL's contract): `reset(**row)` may return text
+            appended to the last user message, its public methods are tools, and `get_reward()`,
+            if defined, is one more reward (named after its class, weight 1). Reward functions
+            receive the rollouts' environments as `environments`. A dict chooses one per row by
+            its `environment` column. Without `train_dataset`, `reset()` supplies the prompts
+            and `max_steps` sets the length of the run.
     """
 
     _tag_names = ["trl_grpo_ext", "grpo"]
@@ -117,18 +135,25 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         optimizers=(None, None),
         quantization_config=None,
         peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
     ):
         args = preparation.trainer_config(model, args)
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
+        self.agent = preparation.agent(tools, environment_factory, rollout_func, args)
+        self.rollout_func = rollout_func
         (
             self.reward_funcs,
             self.reward_names,
             self.reward_weights,
             self.reward_processing_classes,
-        ) = preparation.prepare_rewards(reward_funcs, reward_processing_classes, args)
+        ) = preparation.prepare_rewards(reward_funcs, reward_processing_classes, args, self.agent)
+        if environment_factory is not None:
+            train_dataset = preparation.environment_dataset(train_dataset, args)
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_prompt_dataset(processing_class, dataset, split)
+            check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
 
         engine_folder = preparation.colocated_engine_folder(model, processing_class, args)
         model, self.ref_model = prepare_policy(model, args, peft_config)
@@ -207,6 +232,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         Returns:
             [`Rollout`] with `len(rows) * num_generations` completions, groups consecutive.
         """
+        if self.rollout_func is not None:
+            sample = lambda prompts: self.rollout_func(prompts, self)  # noqa: E731
+            return self.rollouts.from_rollout_func(rows, sample, self.state.global_step)
         return self.rollouts.generate(rows, self.state.global_step)
 
     def score_rollouts(self, rollout: Rollout) -> torch.Tensor:
@@ -222,6 +250,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             completions=rollout.completions,
             completion_ids=rollout.completion_id_lists(),
             trainer_state=self.state,
+            **({} if rollout.environments is None else {"environments": rollout.environments}),
             **rollout.columns,
         )
 

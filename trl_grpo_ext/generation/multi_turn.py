@@ -156,9 +156,9 @@ class ToolLoop:
 
     Args:
         format ([`ToolCallFormat`]): parses calls and renders results.
-        runner: runs a batch of calls concurrently: `run(calls)` with, per rollout, a list of
-            `(tools, tool_call)` pairs, returns per rollout a list of `(name, result)`, and
-            `tool_message(name, result)` builds the `tool` message.
+        runner: runs a batch of calls concurrently (`tools.ToolRunner`): `run(calls)` with, per
+            rollout, a list of `(tools, tool_call)` pairs, returns per rollout a list of results
+            (`.message()` is the `tool` message, `.failed` an error result).
         eos_token_ids (`list[int]`): the tokens that end a turn.
         pad_token_id (`int`): pads prompts handed to the engine.
         max_completion_length (`int`): the budget of every turn and tool result together.
@@ -227,8 +227,8 @@ class ToolLoop:
             continuing, contexts = [], []
             for i, calls in zip(active, results):
                 turns.calls[i] += len(calls)
-                turns.failures[i] += sum(_is_error(result) for _, result in calls)
-                messages = [self.runner.tool_message(name, result) for name, result in calls]
+                turns.failures[i] += sum(result.failed for result in calls)
+                messages = [result.message() for result in calls]
                 suffix = self.format.result_ids(messages)
                 length = len(turns.completion_ids[i]) + len(suffix)
                 if length > self.max_completion_length:
@@ -268,7 +268,3 @@ class ToolLoop:
                 if message.get("tool_calls"):
                     active.append(i)
         return turns
-
-
-def _is_error(result) -> bool:
-    return isinstance(result, dict) and set(result) == {"error"}

@@ -17,11 +17,14 @@ def is_conversational(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def check_prompt_dataset(tokenizer, dataset, split: str = "train_dataset") -> None:
-    """Fails early on a dataset without a `prompt` column, or with conversational prompts and
-    a tokenizer without a chat template."""
+def check_prompt_dataset(
+    tokenizer, dataset, split: str = "train_dataset", needs_prompt: bool = True
+) -> None:
+    """Fails early on a dataset without a `prompt` column (unless an environment's `reset`
+    supplies the prompts: `needs_prompt=False`), or with conversational prompts and a tokenizer
+    without a chat template."""
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    if needs_prompt and columns is not None and "prompt" not in columns:
         raise ValueError(
             f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
             "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."

@@ -1,5 +1,6 @@
 """Tools and environments for multi-turn rollouts, with the contract of TRL's `GRPOTrainer`.
 
+- `Agent`: the tools and environments of a run, as the trainer's multi-turn rollouts use them.
 - `ToolSet`: named tool functions and their JSON schemas (`tools=` of TRL).
 - `Environments`: `environment_factory` of TRL: a pool of instances, `reset(**row)`, their public
   methods as tools, `get_reward()` as reward functions.
@@ -10,6 +11,7 @@ This package imports nothing from generation or training: the multi-turn loop an
 call it.
 """
 
+from .agent import Agent
 from .environments import (
     ENVIRONMENT_FIELD,
     EnvironmentFactory,
@@ -23,6 +25,7 @@ from .results import ToolResult, error_result, tool_counts, tool_message, tool_m
 from .runner import ToolCall, ToolRunner
 
 __all__ = [
+    "Agent",
     "ENVIRONMENT_FIELD",
     "EnvironmentFactory",
     "Environments",

@@ -1,0 +1,267 @@
+"""The trainer with tools, environments and a rollout function (TRL's contract): what is
+trained on is what was sampled, tool results get no gradient, environments and their rewards."""
+
+import pytest
+import torch
+from agent_helpers import ScriptedEngine, add, call, encode, qwen3_tokenizer
+from datasets import Dataset
+from trainer_helpers import make_trainer
+
+from trl_grpo_ext.tiny import build_tiny_model
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def tool_trainer(tmp_path, **kwargs):
+    tokenizer = qwen3_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0, initializer_range=0.2)
+    kwargs.setdefault(
+        "dataset", Dataset.from_list([{"prompt": chat(f"{a} + 5?")} for a in range(4)])
+    )
+    return make_trainer(
+        tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=256,
+        max_prompt_length=None,  # the tools' schemas are long in bytes
+        **kwargs,
+    )
+
+
+def calls_then_answers(tokenizer, call_text=None):
+    """A turn that makes the call when the context has no tool result yet, else an answer."""
+    call_ids = encode(tokenizer, call_text or call("add", a=2, b=3))
+    answer_ids = encode(tokenizer, "It is 5.")
+    response = tokenizer("<tool_response>", add_special_tokens=False)["input_ids"]
+
+    def turn(context):
+        has_result = any(context[i : i + len(response)] == response for i in range(len(context)))
+        return answer_ids if has_result else call_ids
+
+    return turn, call_ids, answer_ids
+
+
+def rewards_by_length(completions, **kwargs):
+    """Alternating 0, 1: every group has a learning signal."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+class Recording:
+    """Records every micro-batch `compute_objective` sees and the gradient of its loss with
+    respect to the per-token log-probs."""
+
+    def __init__(self, trainer):
+        self.batches, self.grads = [], []
+        compute, logprobs = trainer.compute_objective, trainer._token_logprobs
+
+        def token_logprobs(model, batch, return_entropy=False):
+            logps, entropy = logprobs(model, batch, return_entropy=return_entropy)
+            logps.retain_grad()
+            self.logps = logps
+            return logps, entropy
+
+        def objective(model, batch):
+            loss, metrics = compute(model, batch)
+            self.batches.append(batch)
+            self.grads.append(torch.autograd.grad(loss, self.logps, retain_graph=True)[0])
+            return loss, metrics
+
+        trainer._token_logprobs, trainer.compute_objective = token_logprobs, objective
+
+
+def test_trained_tokens_are_the_sampled_ones_and_tool_results_get_no_gradient(tmp_path):
+    trainer = tool_trainer(tmp_path, tools=[add], reward_funcs=rewards_by_length, max_steps=1)
+    tokenizer = trainer.processing_class
+    turn, call_ids, answer_ids = calls_then_answers(tokenizer)
+    trainer.rollouts.engine = engine = ScriptedEngine(turn)
+    recording = Recording(trainer)
+    trainer.train()
+
+    suffix = trainer.rollouts.tool_loop.format.result_ids(
+        [{"role": "tool", "name": "add", "content": "5"}]
+    )
+    sampled = call_ids + suffix + answer_ids
+    batch = recording.batches[0]
+    width = batch["completion_ids"].shape[1]
+    assert width == len(sampled)
+    for row in range(len(batch["completion_ids"])):
+        assert batch["completion_ids"][row].tolist() == sampled
+        prompt = batch["input_ids"][row, :-width][batch["attention_mask"][row, :-width].bool()]
+        # token-in: the second turn continued from exactly the trained prefix
+        assert prompt.tolist() + call_ids + suffix in [c for turn in engine.prompts for c in turn]
+    tool = slice(len(call_ids), len(call_ids) + len(suffix))
+    assert batch["completion_mask"][:, tool].eq(0).all()
+    assert batch["completion_mask"][:, : len(call_ids)].eq(1).all()
+    assert batch["attention_mask"][:, -width:].eq(1).all()  # the results are read
+    grad = recording.grads[0]
+    assert grad[:, tool].eq(0).all()
+    assert grad[:, : len(call_ids)].abs().sum() > 0
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0
+    # lengths count the model's tokens only, as TRL
+    assert logged["completions/mean_length"] == len(call_ids) + len(answer_ids)
+
+
+class Counter:
+    """An environment: the model reaches a target by calling `increment`."""
+
+    instances = 0
+
+    def __init__(self):
+        Counter.instances += 1
+        self.value, self.target, self.resets = 0, None, []
+
+    def reset(self, **row):
+        self.value, self.target = 0, row["target"]
+        self.resets.append(row)
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> int:
+        """Adds `step` to the counter.
+
+        Args:
+            step: How much to add.
+
+        Returns:
+            The new value.
+        """
+        self.value += step
+        return self.value
+
+    def get_reward(self) -> float:
+        return float(self.value == self.target)
+
+
+def test_environments_reset_per_rollout_give_tools_and_their_reward(tmp_path):
+    rows = [{"prompt": chat("Count."), "target": t} for t in (3, 4)]
+    seen = {}
+
+    def reward_sees_environments(completions, environments, target, **kwargs):
+        seen["values"] = [e.value for e in environments]
+        seen["targets"] = target
+        return [0.0] * len(completions)
+
+    Counter.instances = 0
+    trainer = tool_trainer(
+        tmp_path,
+        environment_factory=Counter,
+        reward_funcs=reward_sees_environments,
+        dataset=Dataset.from_list(rows),
+        max_steps=1,
+    )
+    tokenizer = trainer.processing_class
+    step3, answer = encode(tokenizer, call("increment", step=3)), encode(tokenizer, "Done.")
+    trainer.rollouts.engine = ScriptedEngine([step3, answer])
+    rollout = trainer.generate_rollouts(rows)
+    rewards = trainer.score_rollouts(rollout)
+
+    assert trainer.reward_names == ["reward_sees_environments", "Counter"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    # one instance per rollout (the probe is reused), each reset with its own row
+    assert Counter.instances == 4 and len({id(e) for e in rollout.environments}) == 4
+    assert [e.target for e in rollout.environments] == [3, 3, 4, 4]
+    assert rollout.environments[0].resets[-1] == rows[0]
+    assert rollout.prompts[0][-1]["content"] == "Count. Reach 3."
+    assert seen["values"] == [3, 3, 3, 3] and seen["targets"] == [3, 3, 4, 4]
+    assert rewards[:, 1].tolist() == [1.0, 1.0, 0.0, 0.0]  # get_reward of each rollout's env
+    assert rollout.tool_calls.tolist() == [1, 1, 1, 1]
+
+
+def test_without_a_dataset_reset_supplies_the_prompt_and_max_steps_the_length(tmp_path):
+    class Puzzle(Counter):
+        def reset(self, **row):
+            self.value, self.target = 0, 2
+            return "Reach 2."
+
+    trainer = tool_trainer(
+        tmp_path, environment_factory=Puzzle, dataset=None, max_steps=2, reward_funcs=None
+    )
+    assert trainer.reward_names == ["Puzzle"]
+    tokenizer = trainer.processing_class
+    turn, _, _ = calls_then_answers(tokenizer, call("increment", step=2))
+    trainer.rollouts.engine = ScriptedEngine(turn)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer.state.log_history[0]["rewards/Puzzle/mean"] == 1.0
+
+    with pytest.raises(ValueError, match="max_steps"):
+        tool_trainer(tmp_path, environment_factory=Puzzle, dataset=None, max_steps=-1)
+
+
+def test_a_dict_of_environments_is_chosen_per_row(tmp_path):
+    class Other(Counter):
+        pass
+
+    rows = [
+        {"prompt": chat("a"), "target": 1, "environment": "count"},
+        {"prompt": chat("b"), "target": 1, "environment": "other"},
+    ]
+    trainer = tool_trainer(
+        tmp_path,
+        environment_factory={"count": Counter, "other": Other},
+        dataset=Dataset.from_list(rows),
+        reward_funcs=rewards_by_length,
+    )
+    trainer.rollouts.engine = ScriptedEngine([encode(trainer.processing_class, "no")])
+    rollout = trainer.generate_rollouts(rows)
+    assert [type(e).__name__ for e in rollout.environments] == ["Counter"] * 2 + ["Other"] * 2
+    assert "environment" not in rollout.environments[0].resets[-1]
+    bad = [{**rows[0], "environment": "nope"}]
+    with pytest.raises(ValueError, match="nope"):
+        trainer.generate_rollouts(bad)
+
+
+def test_rollout_func_samples_with_trls_contract(tmp_path):
+    seen = {}
+
+    def rollout_func(prompts, trainer):
+        seen["prompts"], seen["trainer"] = prompts, trainer
+        n = len(prompts)
+        return {
+            "prompt_ids": [[5, 6, 7]] * n,
+            "completion_ids": [[10, 11, 12, trainer.processing_class.eos_token_id]] * n,
+            "logprobs": [[-0.5, None, -0.5, -0.5]] * n,
+            "env_mask": [[1, 0, 0, 1]] * n,
+            "score": list(range(n)),
+        }
+
+    def from_field(completions, score, **kwargs):
+        return [float(s) for s in score]
+
+    trainer = make_trainer(
+        tmp_path, rollout_func=rollout_func, reward_funcs=from_field, num_generations=2
+    )
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    rollout = trainer.generate_rollouts(rows)
+    assert seen["prompts"] == ["1+1=", "1+1=", "2+2=", "2+2="] and seen["trainer"] is trainer
+    assert trainer.score_rollouts(rollout)[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert rollout.tool_mask.tolist() == [[1, 0, 0, 1]] * 4
+    assert torch.isnan(rollout.behaviour_logps[:, 1]).all()
+    assert not rollout.is_truncated.any()
+
+    def short(prompts, trainer):
+        return {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": None}
+
+    trainer.rollout_func = short
+    with pytest.raises(ValueError, match="one per completion"):
+        trainer.generate_rollouts(rows)
+    trainer.rollout_func = lambda prompts, trainer: {"prompt_ids": []}
+    with pytest.raises(ValueError, match="completion_ids"):
+        trainer.generate_rollouts(rows)
+
+
+def test_tools_with_a_template_that_cannot_call_them_fail_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="cannot render a tool call"):
+        make_trainer(tmp_path, tools=[add])  # the tiny model's plain ChatML template
+
+
+def test_tools_need_conversational_prompts(tmp_path):
+    trainer = tool_trainer(
+        tmp_path, tools=[add], dataset=Dataset.from_list([{"prompt": "1+1="}] * 4)
+    )
+    with pytest.raises(ValueError, match="conversational"):
+        trainer.generate_rollouts([{"prompt": "1+1="}])

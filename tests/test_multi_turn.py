@@ -1,0 +1,183 @@
+"""Multi-turn rollouts through an engine: tool calls parsed from the model's own format, results
+appended as tokens (never re-tokenised), masks and the length budget."""
+
+import pytest
+import torch
+from agent_helpers import ScriptedEngine, add, call, encode, qwen3_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+from trl_grpo_ext.generation.multi_turn import ToolCallFormat, ToolLoop
+from trl_grpo_ext.tiny import build_tiny_tokenizer
+from trl_grpo_ext.tools import ToolRunner, ToolSet
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def prompts_for(tokenizer, tools, count=1):
+    messages = [{"role": "user", "content": "What is 2 + 3 + 4?"}]
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools.functions, add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]] * count)
+    return ids, torch.ones_like(ids)
+
+
+def loop(tokenizer, runner, max_completion_length=512, max_iterations=None):
+    return ToolLoop(
+        ToolCallFormat(tokenizer),
+        runner,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        max_completion_length=max_completion_length,
+        max_model_len=4096,
+        max_iterations=max_iterations,
+    )
+
+
+@pytest.fixture
+def runner():
+    with ToolRunner(max_workers=4, timeout=5.0) as runner:
+        yield runner
+
+
+def test_three_turns_are_the_sampled_tokens_with_the_rendered_results_between(runner):
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([add])
+    turns = [
+        encode(tokenizer, call("add", a=2, b=3)),
+        encode(tokenizer, call("add", a=5, b=4)),
+        encode(tokenizer, "The answer is 9."),
+    ]
+    engine = ScriptedEngine(turns)
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
+    tool_loop = loop(tokenizer, runner)
+    config = GenerationConfig(max_new_tokens=512, num_return_sequences=1)
+    result = tool_loop.run(engine, config, 7, prompt_ids, prompt_mask, [tools])
+
+    format = tool_loop.format
+    first = format.result_ids([{"role": "tool", "name": "add", "content": "5"}])
+    second = format.result_ids([{"role": "tool", "name": "add", "content": "9"}])
+    expected = turns[0] + first + turns[1] + second + turns[2]
+    assert result.completion_ids == [expected]
+    model_tokens = [1] * len(turns[0]) + [0] * len(first) + [1] * len(turns[1])
+    assert result.tool_mask == [model_tokens + [0] * len(second) + [1] * len(turns[2])]
+    # token-in: each turn continued from exactly the prompt and everything before it
+    prompt = prompt_ids[0].tolist()
+    assert engine.prompts == [
+        [prompt],
+        [prompt + turns[0] + first],
+        [prompt + turns[0] + first + turns[1] + second],
+    ]
+    roles = [message["role"] for message in result.completions[0]]
+    assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert result.completions[0][1]["content"] == "5"
+    assert result.completions[0][-1]["content"].startswith("The answer is 9.")
+    assert result.calls == [2] and result.failures == [0]
+    # the engine's log-probs at the sampled tokens, 0 at the results'
+    logps = result.logps[0]
+    assert logps[: len(turns[0])] == pytest.approx([-(i + 1) / 10 for i in range(len(turns[0]))])
+    assert logps[len(turns[0]) : len(turns[0]) + len(first)] == [0.0] * len(first)
+
+
+def test_a_failing_or_unknown_tool_is_an_error_message_to_the_model(runner):
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([add, broken])
+    turns = [
+        [encode(tokenizer, call("broken", x=1)), encode(tokenizer, call("nope"))],
+        encode(tokenizer, "Sorry."),
+    ]
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools, count=2)
+    result = loop(tokenizer, runner).run(
+        ScriptedEngine(turns), GenerationConfig(), None, prompt_ids, prompt_mask, [tools] * 2
+    )
+    results = [messages[1]["content"] for messages in result.completions]
+    assert "the tool broke" in str(results[0]) and "nope" in str(results[1])
+    assert result.calls == [1, 1] and result.failures == [1, 1]
+    assert all(messages[-1]["content"].startswith("Sorry.") for messages in result.completions)
+
+
+def test_a_result_past_the_budget_ends_the_rollout_at_its_call_and_the_last_turn_is_cut(runner):
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([add])
+    first = encode(tokenizer, call("add", a=2, b=3))
+    suffix = ToolCallFormat(tokenizer).result_ids([{"role": "tool", "name": "add", "content": "5"}])
+    long_answer = encode(tokenizer, "x" * 100)
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
+    config = GenerationConfig(max_new_tokens=512)
+
+    # the result does not fit: the rollout is its call, no tool message
+    tight = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix) - 1)
+    result = tight.run(ScriptedEngine([first]), config, None, prompt_ids, prompt_mask, [tools])
+    assert result.completion_ids == [first] and len(result.completions[0]) == 1
+    assert result.calls == [1]
+
+    # it fits, and the answer after it is cut at the budget
+    budget = len(first) + len(suffix) + 10
+    engine = ScriptedEngine([first, long_answer])
+    result = loop(tokenizer, runner, max_completion_length=budget).run(
+        engine, config, None, prompt_ids, prompt_mask, [tools]
+    )
+    assert result.completion_ids == [first + suffix + long_answer[:10]]
+    assert len(result.completion_ids[0]) == budget
+
+
+def test_max_tool_calling_iterations_bounds_the_rounds(runner):
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([add])
+    again = encode(tokenizer, call("add", a=1, b=1))
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
+    engine = ScriptedEngine([again] * 10)
+    result = loop(tokenizer, runner, max_iterations=2).run(
+        engine, GenerationConfig(), None, prompt_ids, prompt_mask, [tools]
+    )
+    assert len(engine.prompts) == 3 and result.calls == [2]
+    assert [m["role"] for m in result.completions[0]] == ["assistant", "tool"] * 2 + ["assistant"]
+
+
+def merging_tokenizer():
+    """Byte-level BPE with one merge, "ab": sampling "a", "b" separately is a valid
+    generation that re-tokenising the text would turn into the one token "ab"."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
+    vocab["ab"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
+    return qwen3_tokenizer(tokenizer)
+
+
+def test_the_sampled_tokens_are_kept_where_re_tokenising_would_change_them(runner):
+    tokenizer = merging_tokenizer()
+    tools = ToolSet([add])
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    first = encode(tokenizer, call("add", a=2, b=3))
+    answer = [a, b] + encode(tokenizer, " done")  # "ab" sampled as two tokens
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
+    result = loop(tokenizer, runner).run(
+        ScriptedEngine([first, answer]), GenerationConfig(), None, prompt_ids, prompt_mask, [tools]
+    )
+    completion = result.completion_ids[0]
+    assert completion[-len(answer) :] == answer
+    # what re-tokenising the same conversation would have trained on instead
+    text = tokenizer.decode(prompt_ids[0].tolist() + completion)
+    again = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert again != prompt_ids[0].tolist() + completion
+    assert tokenizer.convert_tokens_to_ids("ab") in again[-len(answer) :]
+
+
+def test_a_template_without_a_tool_format_is_a_clear_error():
+    tokenizer = build_tiny_tokenizer()  # plain ChatML: renders no tool calls
+    with pytest.raises(ValueError, match="cannot render a tool call"):
+        ToolCallFormat(tokenizer)
