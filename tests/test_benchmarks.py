@@ -86,3 +86,10 @@ def test_vllm_cpu_settings_only_on_cpu(tmp_path, monkeypatch, device):
     common.run_subprocess({**spec, "engine_args": {"use_vllm": True}})
     on_cpu = {name: seen.get(name) for name in common.VLLM_CPU_ENV}
     assert on_cpu == (common.VLLM_CPU_ENV if device == "cpu" else dict.fromkeys(on_cpu))
+
+
+def test_tools_benchmark_times_both_trainers_on_the_same_scripted_turns(capsys):
+    report = load("tools").main(["--tool-seconds", "0.01", "--rollouts", "4", "--repeats", "1"])
+    assert set(report[4]) == {"ours", "ours_8", "trl"}
+    assert all(seconds > 0 for seconds in report[4].values())
+    assert "| 4 |" in capsys.readouterr().out
