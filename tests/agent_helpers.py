@@ -4,10 +4,18 @@ tools, and an engine that writes scripted turns."""
 import json
 import os
 
+import pytest
 import torch
 import trl
+from packaging.version import Version
 
 from trl_grpo_ext.tiny import build_tiny_tokenizer
+
+# Tools need TRL 1.16's response templates (`trl_grpo_ext.generation.multi_turn.MIN_TRL`).
+needs_trl_1_16 = pytest.mark.skipif(
+    Version(trl.__version__) < Version("1.16"),
+    reason=f"tools need trl>=1.16, found {trl.__version__} (tested by test_tools_need_trl_1_16)",
+)
 
 QWEN3 = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
 

@@ -3,11 +3,13 @@ trained on is what was sampled, tool results get no gradient, environments and t
 
 import pytest
 import torch
-from agent_helpers import ScriptedEngine, add, call, encode, qwen3_tokenizer
+from agent_helpers import ScriptedEngine, add, call, encode, needs_trl_1_16, qwen3_tokenizer
 from datasets import Dataset
 from trainer_helpers import make_trainer
 
 from trl_grpo_ext.tiny import build_tiny_model
+
+pytestmark = needs_trl_1_16
 
 
 def chat(text):

@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import trl
+from packaging.version import Version
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY_RUN = ["--rounds", "1", "--steps", "1", "--num-prompts", "2", "--num-generations", "4"]
@@ -88,6 +90,9 @@ def test_vllm_cpu_settings_only_on_cpu(tmp_path, monkeypatch, device):
     assert on_cpu == (common.VLLM_CPU_ENV if device == "cpu" else dict.fromkeys(on_cpu))
 
 
+@pytest.mark.skipif(
+    Version(trl.__version__) < Version("1.16"), reason="tools need trl>=1.16 (both trainers)"
+)
 def test_tools_benchmark_times_both_trainers_on_the_same_scripted_turns(capsys):
     report = load("tools").main(["--tool-seconds", "0.01", "--rollouts", "4", "--repeats", "1"])
     assert set(report[4]) == {"ours", "ours_8", "trl"}

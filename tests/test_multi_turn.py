@@ -3,13 +3,15 @@ appended as tokens (never re-tokenised), masks and the length budget."""
 
 import pytest
 import torch
-from agent_helpers import ScriptedEngine, add, call, encode, qwen3_tokenizer
+from agent_helpers import ScriptedEngine, add, call, encode, needs_trl_1_16, qwen3_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from trl_grpo_ext.generation.multi_turn import ToolCallFormat, ToolLoop
 from trl_grpo_ext.tiny import build_tiny_tokenizer
 from trl_grpo_ext.tools import ToolRunner, ToolSet
+
+pytestmark = needs_trl_1_16
 
 
 def broken(x: int) -> int:

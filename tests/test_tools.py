@@ -473,3 +473,15 @@ def test_runner_calls_environment_methods_on_each_rollouts_own_instance(runner):
 def test_tools_import_nothing_else_from_the_package(path, module, is_package):
     names = imported_modules(path.read_text(encoding="utf-8"), module, is_package)
     assert not outside(names, ("trl_grpo_ext.tools",))
+
+
+def test_tools_need_trl_1_16(monkeypatch):
+    """Older TRL releases parse tool calls differently: tools are a clear error there."""
+    import trl
+
+    from trl_grpo_ext.generation.multi_turn import ToolCallFormat
+    from trl_grpo_ext.tiny import build_tiny_tokenizer
+
+    monkeypatch.setattr(trl, "__version__", "1.7.0")
+    with pytest.raises(ImportError, match=r"trl>=1\.16.*trl 1\.7\.0 is installed"):
+        ToolCallFormat(build_tiny_tokenizer())

@@ -20,10 +20,11 @@ calls of a whole batch concurrently (`run(calls) -> results`).
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 from .rollout import completion_mask_from_ids, left_padded
+
+MIN_TRL = "1.16"  # the TRL whose tool-calling contract and response templates this follows
 
 
 class ToolCallFormat:
@@ -40,7 +41,16 @@ class ToolCallFormat:
     """
 
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+        import trl
+        from packaging.version import Version
         from trl import chat_template_utils as utils
+
+        if Version(trl.__version__) < Version(MIN_TRL):
+            raise ImportError(
+                f"Tools and environments need trl>={MIN_TRL} (its tool-call response templates and "
+                f"parse_response); trl {trl.__version__} is installed. Run "
+                f"pip install 'trl>={MIN_TRL}'."
+            )
 
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -70,16 +80,12 @@ class ToolCallFormat:
         self.chat_template = None  # the tokenizer's own
         if not utils.is_chat_template_prefix_preserving(tokenizer):
             self.chat_template = utils.get_training_chat_template(tokenizer)
-        parameters = inspect.signature(utils.parse_response).parameters
         self._parse = utils.parse_response
-        self._parse_takes_context = "prefix" in parameters and "tools" in parameters
 
     def parse(self, ids: list[int], prefix: list[int], tools) -> dict:
         """The assistant message of one turn, with its `tool_calls` when it made any (malformed
         calls come back as plain text, as in TRL)."""
-        if self._parse_takes_context:
-            return self._parse(self.tokenizer, ids, prefix=prefix, tools=tools)
-        return self._parse(self.tokenizer, ids)
+        return self._parse(self.tokenizer, ids, prefix=prefix, tools=tools)
 
     def result_ids(self, tool_messages: list[dict]) -> list[int]:
         """The tokens the chat template puts after an assistant's tool call for these tool
