@@ -26,11 +26,13 @@ def tool_trainer(tmp_path, **kwargs):
         tmp_path,
         model=model,
         tokenizer=tokenizer,
-        num_generations=2,
-        per_device_train_batch_size=4,
-        max_completion_length=256,
-        max_prompt_length=None,  # the tools' schemas are long in bytes
-        **kwargs,
+        **{
+            "num_generations": 2,
+            "per_device_train_batch_size": 4,
+            "max_completion_length": 256,
+            "max_prompt_length": None,  # the tools' schemas are long in bytes
+            **kwargs,
+        },
     )
 
 
@@ -267,3 +269,64 @@ def test_tools_need_conversational_prompts(tmp_path):
     )
     with pytest.raises(ValueError, match="conversational"):
         trainer.generate_rollouts([{"prompt": "1+1="}])
+
+
+def varied_turns(tokenizer, model):
+    """Each rollout calls `increment` with a step of 2 or 3, then answers. The step depends on
+    the rollout's place in its batch (so a group's members differ) and on the model's current
+    weights, as a sampled one would: a batch sampled again after an update differs."""
+    response = tokenizer("<tool_response>", add_special_tokens=False)["input_ids"]
+    calls = []
+
+    def turn(context):
+        n = len(response)
+        if any(context[i : i + n] == response for i in range(len(context) - n + 1)):
+            return encode(tokenizer, "Done.")
+        calls.append(None)
+        trained = [p for p in model.parameters() if p.requires_grad][-1]
+        weights = int(trained.detach().abs().sum().item() * 1e6)
+        return encode(tokenizer, call("increment", step=2 + (len(calls) + weights) % 2))
+
+    return turn
+
+
+WINDOW = dict(
+    max_steps=3,
+    gradient_accumulation_steps=2,
+    steps_per_generation=4,
+    per_device_train_batch_size=2,
+    learning_rate=3e-3,
+    save_strategy="steps",
+    save_steps=1,
+)
+
+
+def counter_run(folder, checkpoint=None, **overrides):
+    rows = [{"prompt": chat(f"Count to {t}."), "target": t} for t in (2, 3, 4, 3)]
+    trainer = tool_trainer(
+        folder,
+        environment_factory=Counter,
+        reward_funcs=None,
+        dataset=Dataset.from_list(rows),
+        **{**WINDOW, **overrides},
+    )
+    trainer.rollouts.engine = ScriptedEngine(varied_turns(trainer.processing_class, trainer.model))
+    trainer.train(resume_from_checkpoint=checkpoint)
+    weights = {
+        n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad
+    }
+    return trainer, weights
+
+
+def test_a_run_with_environments_resumes_bit_identical(tmp_path):
+    """Checkpoint 1 falls inside a generation window: the buffered multi-turn rollouts (with
+    their tool masks) are trained on after the resume; environments are rebuilt by the factory."""
+    straight, weights = counter_run(tmp_path / "straight")
+    assert any(entry.get("grad_norm", 0) > 0 for entry in straight.state.log_history)
+    checkpoint = tmp_path / "straight" / "checkpoint-1"
+    resumed, resumed_weights = counter_run(
+        tmp_path / "resumed", str(checkpoint), save_strategy="no"
+    )
+    assert all(torch.equal(weights[n], resumed_weights[n]) for n in weights)
+    logs = [e for e in resumed.state.log_history if "loss" in e]
+    assert logs == [e for e in straight.state.log_history if "loss" in e]  # all 4 steps
