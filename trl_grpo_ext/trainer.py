@@ -151,7 +151,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             self.reward_processing_classes,
         ) = preparation.prepare_rewards(reward_funcs, reward_processing_classes, args, self.agent)
         if environment_factory is not None:
-            train_dataset = preparation.environment_dataset(train_dataset, args)
+            train_dataset = preparation.environment_dataset(
+                train_dataset, environment_factory, args
+            )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
 
