@@ -192,6 +192,11 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     # ------------------------------------------------------------------ data
 
     def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:  # a trainer built to evaluate or score only
+            raise ValueError(
+                "`train_dataset` is required to train unless an `environment_factory` is provided "
+                "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
+            )
         args = self.args
         needed = args.prompts_per_generation * args.world_size
         if len(self.train_dataset) < needed:
