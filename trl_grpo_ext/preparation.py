@@ -64,11 +64,18 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     return built
 
 
-def environment_dataset(train_dataset, args: GroupRelativeConfig):
+def environment_dataset(train_dataset, environment_factory, args: GroupRelativeConfig):
     """`train_dataset`, or, without one, rows of an empty user message for the environments'
-    `reset()` to fill in: one generation batch of them, repeated for `max_steps` steps."""
+    `reset()` to fill in: one generation batch of them, repeated for `max_steps` steps. A dict
+    `environment_factory` needs a dataset, whose `environment` column picks each row's."""
     if train_dataset is not None:
         return train_dataset
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "A dict `environment_factory` (several environments) requires a `train_dataset` with "
+            "an `environment` column naming each row's environment. Give a dataset, or pass a "
+            "single environment factory."
+        )
     if args.max_steps <= 0:
         raise ValueError(
             "Without a train_dataset the environments' reset() supplies the prompts, and "

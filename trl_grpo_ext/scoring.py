@@ -46,7 +46,9 @@ def reward_func_list(reward_funcs) -> list:
     """`reward_funcs` as a non-empty list (one entry, or a list or tuple of them)."""
     if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not reward_funcs):
         raise ValueError(
-            "reward_funcs is empty: pass at least one reward function, name or reward model."
+            "No reward source provided: reward_funcs is empty. Pass at least one reward function, "
+            "name or reward model, or an environment_factory whose environments define "
+            "get_reward()."
         )
     if not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]

@@ -115,7 +115,8 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             if defined, is one more reward (named after its class, weight 1). Reward functions
             receive the rollouts' environments as `environments`. A dict chooses one per row by
             its `environment` column. Without `train_dataset`, `reset()` supplies the prompts
-            and `max_steps` sets the length of the run.
+            and `max_steps` sets the length of the run. `trainer.environments` holds those of
+            the latest generation batch, and `trainer.tools` every tool, as in TRL.
     """
 
     _tag_names = ["trl_grpo_ext", "grpo"]
@@ -151,7 +152,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             self.reward_processing_classes,
         ) = preparation.prepare_rewards(reward_funcs, reward_processing_classes, args, self.agent)
         if environment_factory is not None:
-            train_dataset = preparation.environment_dataset(train_dataset, args)
+            train_dataset = preparation.environment_dataset(
+                train_dataset, environment_factory, args
+            )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
 
@@ -171,6 +174,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         preparation.place_reward_and_reference_models(self)
         self.eos_token_ids = eos_token_ids(model, processing_class)
         self.rollouts = preparation.rollout_producer(self, model, engine_folder)
+        self.environments: list | None = None  # those of the latest generation batch, as TRL
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
@@ -178,9 +182,21 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
         preparation.end_distributed_at_exit(self)
 
+    @property
+    def tools(self) -> list:
+        """The functions the model may call, as TRL's `GRPOTrainer.tools`: `tools`, then the tool
+        methods of each environment of `environment_factory` (`reset` and `get_reward` are not
+        tools); empty without either."""
+        return [] if self.agent is None else self.agent.functions
+
     # ------------------------------------------------------------------ data
 
     def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:  # a trainer built to evaluate or score only
+            raise ValueError(
+                "`train_dataset` is required to train unless an `environment_factory` is provided "
+                "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
+            )
         args = self.args
         needed = args.prompts_per_generation * args.world_size
         if len(self.train_dataset) < needed:
@@ -428,6 +444,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         else:
             rollout = self._sample(rows, index)
             rewards, trainable = self.score_rollouts(rollout), None
+        self.environments = rollout.environments
         rewards = rewards.to(self.accelerator.device)  # (N, F)
         all_rewards = self.accelerator.gather(rewards)  # (N * processes, F)
         all_advantages = self.compute_advantages(all_rewards)  # (N * processes,)

@@ -34,6 +34,16 @@ class Agent:
             max_workers=workers, timeout=timeout, timeout_setting="tool_call_timeout"
         )
 
+    @property
+    def functions(self) -> list:
+        """Every tool of the run, as TRL's `GRPOTrainer.tools` lists them: the standalone tools,
+        then the tool methods of each environment (bound to its first instance)."""
+        functions = self.tools.functions
+        if self.environments is not None:
+            for name in self.environments.names:
+                functions += [m for m in self.environments.tools_for(name) if m not in functions]
+        return functions
+
     def reward_functions(self) -> list[tuple[str, object]]:
         """`(name, function)` of each environment class with a `get_reward`."""
         return [] if self.environments is None else self.environments.reward_functions()
