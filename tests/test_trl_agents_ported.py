@@ -43,12 +43,14 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
-from agent_helpers import ScriptedEngine, call, encode, qwen3_tokenizer
+from agent_helpers import ScriptedEngine, call, encode, needs_trl_1_16, qwen3_tokenizer
 from datasets import Dataset
 from test_reward_models import tiny_reward_model
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.tiny import build_tiny_model, build_tiny_tokenizer
+
+pytestmark = needs_trl_1_16
 
 
 def multiply_tool(a: int, b: int) -> int:
