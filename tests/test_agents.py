@@ -330,3 +330,39 @@ def test_a_run_with_environments_resumes_bit_identical(tmp_path):
     assert all(torch.equal(weights[n], resumed_weights[n]) for n in weights)
     logs = [e for e in resumed.state.log_history if "loss" in e]
     assert logs == [e for e in straight.state.log_history if "loss" in e]  # all 4 steps
+
+
+def test_dynamic_sampling_resamples_multi_turn_groups_with_their_masks(tmp_path):
+    """Groups whose rollouts all score the same are sampled again; the rollouts kept from both
+    rounds keep their tool masks and environments."""
+    # a target of 4 is never reached (steps are 2 or 3): those groups all score 0
+    rows = [{"prompt": chat(f"Count to {t}."), "target": t} for t in (2, 4, 3, 4)]
+    trainer = tool_trainer(
+        tmp_path,
+        environment_factory=Counter,
+        reward_funcs=None,
+        dataset=Dataset.from_list(rows),
+        dynamic_sampling=True,
+        max_resample_rounds=2,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_steps=1,
+    )
+    tokenizer = trainer.processing_class
+    trainer.rollouts.engine = ScriptedEngine(varied_turns(tokenizer, trainer.model))
+    recording = Recording(trainer)
+    trainer.train()
+    batch = recording.batches[0]
+    suffix = trainer.rollouts.tool_loop.format.result_ids(
+        [{"role": "tool", "name": "increment", "content": "2"}]
+    )
+    call_length = len(encode(tokenizer, call("increment", step=2)))
+    tool = slice(call_length, call_length + len(suffix))
+    logged = trainer.state.log_history[0]
+    assert (
+        logged["dynamic_sampling/rounds"] >= 1 and logged["dynamic_sampling/filtered_fraction"] > 0
+    )
+    trained = batch["completion_mask"].sum(dim=1) > 0
+    assert trained.any()
+    assert batch["completion_mask"][trained][:, tool].eq(0).all()
+    assert batch["completion_mask"][trained][:, :call_length].eq(1).all()
