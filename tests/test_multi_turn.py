@@ -1,6 +1,8 @@
 """Multi-turn rollouts through an engine: tool calls parsed from the model's own format, results
 appended as tokens (never re-tokenised), masks and the length budget."""
 
+import os
+
 import pytest
 import torch
 from agent_helpers import ScriptedEngine, add, call, encode, needs_trl_1_16, qwen3_tokenizer
@@ -183,3 +185,69 @@ def test_a_template_without_a_tool_format_is_a_clear_error():
     tokenizer = build_tiny_tokenizer()  # plain ChatML: renders no tool calls
     with pytest.raises(ValueError, match="cannot render a tool call"):
         ToolCallFormat(tokenizer)
+
+
+def template_tokenizer(template: str, specials: list[str], eos: str, pad: str):
+    """The tiny byte-level tokenizer with a model family's special tokens and TRL's copy of its
+    chat template."""
+    import trl
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos)
+    path = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{template}.jinja")
+    with open(path, encoding="utf-8") as file:
+        tokenizer.chat_template = file.read()
+    return tokenizer
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|finetune_right_pad_id|>",
+]
+FAMILIES = {
+    "qwen2_5": (QWEN_SPECIALS, "<|im_end|>", "<|endoftext|>"),
+    "qwen3": (QWEN_SPECIALS, "<|im_end|>", "<|endoftext|>"),
+    "llama3_1": (LLAMA_SPECIALS, "<|eot_id|>", "<|finetune_right_pad_id|>"),
+    "llama3_2": (LLAMA_SPECIALS, "<|eot_id|>", "<|finetune_right_pad_id|>"),
+}
+
+
+@pytest.mark.parametrize("template", list(FAMILIES))
+def test_calls_written_in_each_familys_own_format_are_parsed_and_results_rendered(template):
+    """The assistant turn the family's chat template writes for a call (what a model trained on
+    it samples) parses back to that call, and a result renders as tokens that hold it."""
+    tokenizer = template_tokenizer(template, *FAMILIES[template])
+    tools = ToolSet([add])
+    format = ToolCallFormat(tokenizer)
+    render = dict(tools=tools.functions, chat_template=format.chat_template, tokenize=True)
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    the_call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    prompt = tokenizer.apply_chat_template(
+        user, add_generation_prompt=True, return_dict=False, **render
+    )
+    conversation = tokenizer.apply_chat_template(
+        user + [{"role": "assistant", "content": "", "tool_calls": [the_call]}],
+        return_dict=False,
+        **render,
+    )
+    assert conversation[: len(prompt)] == prompt
+    written = conversation[len(prompt) :]
+    eos = written.index(tokenizer.eos_token_id)
+    message = format.parse(written[: eos + 1], prompt, tools.functions)
+    assert message["tool_calls"] == [the_call]
+    result = format.result_ids([{"role": "tool", "name": "add", "content": "5"}])
+    assert "5" in tokenizer.decode(result)
+    # and ends with the assistant's header, where the model continues
+    bare = tokenizer.apply_chat_template(user, return_dict=False, **render)
+    header = prompt[len(bare) :] if prompt[: len(bare)] == bare else prompt[-3:]
+    assert header and result[-len(header) :] == header
