@@ -26,7 +26,8 @@ Not ported, with the reason:
   results with images are not supported (docs/agents.md).
 - `tests/experimental/test_async_grpo_trainer.py`, `test_harbor.py`, `test_openreward.py` (their
   `environment_factory`/`rollout_func` cases): TRL's experimental async trainer and its
-  integrations; tools with asynchronous rollouts (`max_staleness`) are not supported.
+  integrations, whose design differs from `max_staleness` (tests/test_agents_async.py covers
+  tools and environments with ours).
 - `tests/test_data_utils.py` and `tests/test_vllm_client_server.py` pass `tools=` to
   `apply_chat_template` and to vLLM's chat client, not to the trainer.
 - No TRL test sets `max_tool_calling_iterations` (tests/test_multi_turn.py covers ours).

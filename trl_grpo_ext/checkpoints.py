@@ -37,6 +37,14 @@ saved (the first log after a resume inside a window prints none).
   as before. The prompt rows pulled ahead are not stored: the fast-forwarded loader yields them
   again. The in-flight batches' prompt tokens and seeds are stored to check that: a batch whose
   prompts differ (`ignore_data_skip=True`, another dataset) is generated again, with a warning.
+- Asynchronous mode with tools or environments: the exception. A multi-turn batch in flight is
+  scored with its environments (`get_reward`, `environments=`), live objects whose state the
+  tool calls changed and a checkpoint cannot hold; rebuilding them would mean replaying `reset`
+  and every recorded call. So such batches are not stored (only their indices, as
+  `in_flight_not_kept`): the resumed run samples them again, with the restored weights, and
+  warns that it differs from the uninterrupted one from there on. With `max_staleness=0` no
+  batch is in flight at a checkpoint and the resume is exact; the synchronous mode's buffered
+  window, already scored, is stored as usual.
 
 A checkpoint written before these files existed still resumes: a window in progress, or batches
 in flight, are sampled again with the restored weights, with a warning.
@@ -128,6 +136,8 @@ class RolloutState:
             rollout worker and not trained on yet, by optimizer step.
         metrics (`dict[str, list[float]]`): metrics gathered since the last log.
         staleness_counts (`dict[int, int]`): the staleness histogram since the last log.
+        not_kept (`list[int]`): multi-turn batches that were in flight and are not stored
+            (their environments cannot be); a resumed run samples them again.
     """
 
     global_step: int
@@ -135,6 +145,7 @@ class RolloutState:
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=dict)
     staleness_counts: dict[int, int] = field(default_factory=dict)
+    not_kept: list[int] = field(default_factory=list)
 
 
 def rollout_state_paths(
@@ -198,6 +209,7 @@ def save_rollout_state(
         "global_step": state.global_step,
         "micro_batches": micro_batches,
         "in_flight": in_flight,
+        "in_flight_not_kept": list(state.not_kept),
         "metrics": {name: list(values) for name, values in state.metrics.items()},
         "staleness_counts": {str(k): v for k, v in state.staleness_counts.items()},
     }
@@ -251,6 +263,15 @@ def load_rollout_state(
             }
             for i, entry in enumerate(manifest["micro_batches"])
         ]
+    not_kept = manifest.get("in_flight_not_kept", [])
+    if not_kept:
+        warnings.warn(
+            f"{checkpoint} was saved with multi-turn batches in flight (steps {not_kept}), whose "
+            "environments a checkpoint cannot hold: they are sampled again with the restored "
+            "weights, so the resumed run differs from the uninterrupted one from there on. Set "
+            "max_staleness=0 (or leave it unset) for exact resumes with tools or environments.",
+            stacklevel=4,
+        )
     in_flight = {}
     for entry in manifest["in_flight"]:
         index = entry["index"]
@@ -266,6 +287,7 @@ def load_rollout_state(
         in_flight=in_flight,
         metrics=manifest["metrics"],
         staleness_counts={int(k): v for k, v in manifest["staleness_counts"].items()},
+        not_kept=not_kept,
     )
 
 
@@ -290,6 +312,7 @@ def save_trainer_rollout_state(trainer, output_dir: str) -> None:
         in_flight=trainer.rollouts.in_flight(),
         metrics=dict(trainer._metrics),
         staleness_counts=trainer.rollouts.staleness_counts,
+        not_kept=trainer.rollouts.not_kept(),
     )
     save_rollout_state(output_dir, state, args.process_index, args.world_size)
 

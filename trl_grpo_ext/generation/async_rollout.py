@@ -16,6 +16,12 @@ machine without vLLM `process_worker.ProcessEngine`, a separate process with its
 model running `transformers` generate, so generation and training overlap on separate CPU cores.
 A worker implements four methods: `update_weights`, `submit`, `result`, `close`.
 `ResumableWorker` wraps it to keep the batches in flight for a checkpoint.
+
+Multi-turn batches (tools, environments) are submitted with each rollout's tools; the worker runs
+the whole tool loop (`multi_turn.ToolLoop`) of such a batch on its own thread, where weight
+updates are queued too, so every turn of a rollout is sampled with one weight version: the one
+the batch reports. Such a batch cannot be checkpointed (its environments are live objects):
+`ResumableWorker` leaves it out, and a resumed run samples it again.
 """
 
 from __future__ import annotations
@@ -26,24 +32,31 @@ from typing import Protocol
 
 import torch
 
+from .multi_turn import Turns
+
 
 @dataclass
 class GeneratedBatch:
-    """What a worker returns for one generation batch (tokens, not text)."""
+    """What a worker returns for one generation batch (tokens, not text). A multi-turn batch
+    has its `turns` (`multi_turn.Turns`, token lists per rollout) instead of completion tensors."""
 
     index: int
     version: int
     prompt_ids: torch.Tensor  # (N, P)
     prompt_mask: torch.Tensor  # (N, P)
-    completion_ids: torch.Tensor  # (N, T)
-    behaviour_logps: torch.Tensor  # (N, T)
+    completion_ids: torch.Tensor | None  # (N, T)
+    behaviour_logps: torch.Tensor | None  # (N, T)
+    turns: Turns | None = None
 
 
 class RolloutWorker(Protocol):
     def update_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def submit(self, index: int, prompts: tuple[torch.Tensor, torch.Tensor], seed: int) -> None:
-        """Queues batch `index`: `prompts` is `(prompt_ids, prompt_mask)`, left-padded."""
+    def submit(
+        self, index: int, prompts: tuple[torch.Tensor, torch.Tensor], seed: int, tools=None
+    ) -> None:
+        """Queues batch `index`: `prompts` is `(prompt_ids, prompt_mask)`, left-padded;
+        `tools` (a multi-turn batch) each rollout's tools, one completion per prompt."""
 
     def result(self, index: int) -> GeneratedBatch: ...
 
@@ -71,7 +84,8 @@ class RolloutPipeline:
             weights (`Callable[[], dict]`): returns the weights to send, called only when the
                 worker has older ones.
             upcoming (`dict[int, (prompts, seed)]`): the batches of steps `step`,
-                `step + 1`, ... that are known so far.
+                `step + 1`, ... that are known so far (`(prompts, seed, tools)` for multi-turn
+                batches).
         """
         self._send_weights(step, weights)
         for index in sorted(upcoming):
@@ -95,10 +109,10 @@ class RolloutPipeline:
             )
         return batch, staleness
 
-    def generate_now(self, index: int, version: int, weights, prompts, seed):
+    def generate_now(self, index: int, version: int, weights, prompts, seed, tools=None):
         """A batch outside the schedule (a dynamic-sampling round), from the current weights."""
         self._send_weights(version, weights)
-        self.worker.submit(index, prompts, seed)
+        self.worker.submit(index, prompts, seed, *(() if tools is None else (tools,)))
         return self.worker.result(index), 0
 
     def _send_weights(self, version: int, weights):
@@ -125,7 +139,9 @@ class ResumableWorker:
     It remembers the prompts and seed of each batch submitted and not yet taken. `in_flight()`
     waits for those batches and keeps them for `result`; a worker built with `restored` batches
     serves one of them, instead of generating it, when it is submitted with the same prompts and
-    seed.
+    seed. Multi-turn batches (submitted with `tools`) are not kept: their rewards come from
+    environments that live in this process only, so a resumed run samples them again
+    (`not_kept()` lists those in flight).
 
     Args:
         worker (`RolloutWorker`): the worker that generates.
@@ -137,11 +153,16 @@ class ResumableWorker:
         self._restored = dict(restored or {})
         self._requests: dict[int, tuple[list[list[int]], int]] = {}
         self._finished: dict[int, GeneratedBatch] = {}
+        self._not_kept: set[int] = set()  # multi-turn batches in flight
 
     def update_weights(self, version, weights):
         self.worker.update_weights(version, weights)
 
-    def submit(self, index, prompts, seed):
+    def submit(self, index, prompts, seed, tools=None):
+        if tools is not None:
+            self._not_kept.add(index)
+            self.worker.submit(index, prompts, seed, tools)
+            return
         prompt_ids, prompt_mask = prompts
         tokens = [ids[keep.bool()].tolist() for ids, keep in zip(prompt_ids, prompt_mask)]
         request = (tokens, seed)
@@ -161,6 +182,7 @@ class ResumableWorker:
 
     def result(self, index) -> GeneratedBatch:
         self._requests.pop(index, None)
+        self._not_kept.discard(index)
         if index in self._finished:
             return self._finished.pop(index)
         return self.worker.result(index)
@@ -174,6 +196,10 @@ class ResumableWorker:
             index: InFlightBatch(tokens, seed, self._finished[index])
             for index, (tokens, seed) in sorted(self._requests.items())
         }
+
+    def not_kept(self) -> list[int]:
+        """The multi-turn batches in flight, which `in_flight()` leaves out."""
+        return sorted(self._not_kept)
 
     def close(self):
         self.worker.close()

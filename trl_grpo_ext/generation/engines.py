@@ -174,10 +174,21 @@ class EngineWorker:
     A weight update that fails (the server refuses the adapter, or is gone) stops the worker: no
     later batch is generated with the older weights, and the update's own error is raised by
     the next `update_weights` or `result`, so the trainer stops with its cause.
+
+    A multi-turn batch (submitted with `tools`) runs its whole `tool_loop` on the thread: every
+    turn and tool call of its rollouts happens before the next queued weight update, so all its
+    turns are sampled with the version read when it starts, the one reported.
+
+    Args:
+        engine: samples (`generate(prompt_ids, prompt_mask, config, seed)`).
+        publisher: loads weights into the engine (`snapshot`, `load`, `version`).
+        generation_config: the sampling settings of the training batches.
+        tool_loop (`multi_turn.ToolLoop`, *optional*): runs the batches submitted with tools.
     """
 
-    def __init__(self, engine, publisher: WeightPublisher, generation_config):
+    def __init__(self, engine, publisher: WeightPublisher, generation_config, tool_loop=None):
         self.engine, self.publisher, self.generation_config = engine, publisher, generation_config
+        self.tool_loop = tool_loop
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._futures: dict[int, Future] = {}
         self._failure: BaseException | None = None  # of a weight update
@@ -195,17 +206,22 @@ class EngineWorker:
         except BaseException as error:  # noqa: BLE001 - raised on the trainer's thread
             self._failure = error
 
-    def submit(self, index: int, prompts, seed: int) -> None:
+    def submit(self, index: int, prompts, seed: int, tools=None) -> None:
         self._raise_failure()
-        self._futures[index] = self._thread.submit(self._generate, index, prompts, seed)
+        if tools is not None and self.tool_loop is None:
+            raise ValueError("A batch with tools was submitted to a worker without a tool loop.")
+        self._futures[index] = self._thread.submit(self._generate, index, prompts, seed, tools)
 
-    def _generate(self, index, prompts, seed):
+    def _generate(self, index, prompts, seed, tools=None):
         from .async_rollout import GeneratedBatch
 
         self._raise_failure()
-        version = self.publisher.version
-        tensors = self.engine.generate(*prompts, self.generation_config, seed)
-        return GeneratedBatch(index, version, *tensors)
+        version = self.publisher.version  # no update runs on this thread until the batch is done
+        if tools is None:
+            tensors = self.engine.generate(*prompts, self.generation_config, seed)
+            return GeneratedBatch(index, version, *tensors)
+        turns = self.tool_loop.run(self.engine, self.generation_config, seed, *prompts, tools)
+        return GeneratedBatch(index, version, *prompts, None, None, turns=turns)
 
     def result(self, index: int):
         return self._futures.pop(index).result()

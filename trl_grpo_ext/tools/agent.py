@@ -2,7 +2,9 @@
 
 For each generation batch, `start` gives every rollout (G per dataset row) its prompt, its tools
 and its environment: an instance of its own from the pool, reset with the row, whose text is
-appended to the prompt. `runner` runs the batch's tool calls concurrently.
+appended to the prompt. `runner` runs the batch's tool calls concurrently. A batch takes its
+instances from a slot of the pool (`Environments.acquire`): batches alive at the same time, with
+asynchronous rollouts, take different slots.
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ class Agent:
         """`(name, function)` of each environment class with a `get_reward`."""
         return [] if self.environments is None else self.environments.reward_functions()
 
-    def start(self, rows: list[dict], group: int) -> tuple[list, list[ToolSet], list | None]:
+    def start(
+        self, rows: list[dict], group: int, slot=0
+    ) -> tuple[list, list[ToolSet], list | None]:
         """Each rollout's prompt, tools and environment (None without environments), `group`
-        consecutive rollouts per row."""
+        consecutive rollouts per row; the environments are those of `slot`, reset with the rows
+        (the previous batch of that slot is done with them)."""
         expanded = [row for row in rows for _ in range(group)]
         if self.environments is None:
             return [row["prompt"] for row in expanded], [self.tools] * len(expanded), None
         environments = self.environments
-        instances = environments.acquire(environments.name_of_row(row) for row in expanded)
+        instances = environments.acquire((environments.name_of_row(row) for row in expanded), slot)
         prompts = [
             append_observation(environment_prompt(row), environments.reset(instance, row))
             for row, instance in zip(expanded, instances)

@@ -12,7 +12,10 @@ row's `environment` field names its factory, and that field is not passed to `re
 
 Instances are pooled and reused across batches ("construct once, reset often"): a batch takes one
 distinct instance per rollout, and the pool grows only when a batch needs more of an environment
-at once than exist. The instance probed at construction seeds the pool.
+at once than exist. The instance probed at construction seeds the pool. The pool has slots: a batch
+takes its instances from one slot, and the next batch of that slot gets (and resets) the same
+instances. Synchronous training uses slot 0 alone; asynchronous rollouts give the batches in flight
+together different slots, so that no batch resets the environments of one not yet scored.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class Environments:
             if not callable(factory):
                 raise TypeError(f"{_label(name)} is a {type(factory).__name__}, not a callable.")
         self.factories: dict[str | None, EnvironmentFactory] = dict(factories)
-        self._pool: dict[str | None, list[Any]] = {}
+        self._pool: dict[tuple[str | None, Any], list[Any]] = {}  # (name, slot) -> instances
         self._rewards: dict[type, Callable] = {}  # one per class, however many names map to it
         for name, factory in self.factories.items():
             instance = factory()
@@ -115,7 +118,7 @@ class Environments:
                     "the prompt."
                 )
             self.toolset_for_instance(instance)  # a method the model cannot see fails now
-            self._pool[name] = [instance]
+            self._pool[(name, 0)] = [instance]
             if "get_reward" in members and type(instance) not in self._rewards:
                 self._rewards[type(instance)] = _reward_function(type(instance))
 
@@ -133,15 +136,23 @@ class Environments:
         self._check_name(name)
         return name
 
-    def acquire(self, names: Iterable[str | None]) -> list[Any]:
+    def acquire(self, names: Iterable[str | None], slot: Any = 0) -> list[Any]:
         """One distinct instance per rollout, for rollouts using the environments `names`; the
-        same instances are handed out again by the next call (reset them before use)."""
+        same instances are handed out again by the next call with the same `slot` (reset them
+        before use), never by a call with another slot.
+
+        Args:
+            names (`Iterable[str | None]`): the environment of each rollout (`name_of_row`).
+            slot (`Hashable`, *optional*, defaults to `0`): which instances to take; batches
+                alive at the same time (asynchronous rollouts) take different slots.
+        """
         names = list(names)
         for name in set(names):
             self._check_name(name)
         instances, taken = [], {}
         for name in names:
-            pool, index = self._pool[name], taken.get(name, 0)
+            pool = self._pool.setdefault((name, slot), [])
+            index = taken.get(name, 0)
             if index == len(pool):
                 pool.append(self.factories[name]())
             taken[name] = index + 1
@@ -175,7 +186,7 @@ class Environments:
     def tools_for(self, name: str | None, standalone: ToolSet | Iterable = ()) -> ToolSet:
         """The tools of the environment `name`, for rendering its schema in a prompt."""
         self._check_name(name)
-        return self.toolset_for_instance(self._pool[name][0], standalone)
+        return self.toolset_for_instance(self._pool[(name, 0)][0], standalone)
 
     def reward_functions(self) -> list[tuple[str, Callable]]:
         """`(name, reward function)` for each environment class that defines `get_reward`, named
