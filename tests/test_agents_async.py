@@ -111,6 +111,7 @@ def test_every_turn_of_a_rollout_uses_the_version_it_records(tmp_path):
     trainer, checked = async_counter_trainer(tmp_path)
     rollouts = consumed_rollouts(trainer)
     recording = Recording(trainer)
+    pipeline = trainer.rollouts._pipeline()  # the one `train` uses (closed at its end)
     trainer.train()
     engine, tokenizer = trainer.rollouts.engine, trainer.processing_class
 
@@ -146,6 +147,10 @@ def test_every_turn_of_a_rollout_uses_the_version_it_records(tmp_path):
         assert not {id(e) for e in earlier.environments} & {id(e) for e in later.environments}
     assert len({id(e) for r in rollouts for e in r.environments}) == 4 * 3  # 3 slots of 4
 
+    # the worker renders tool results with a tokenizer of its own (not thread-safe to share)
+    worker_format = pipeline.worker.worker.tool_loop.format
+    assert worker_format.tokenizer is not tokenizer
+    assert worker_format.tokenizer.chat_template == tokenizer.chat_template
     # tool results are trained on as masked tokens
     for batch, rollout in zip(recording.batches, rollouts):
         for row, target in enumerate(rollout.columns["target"]):

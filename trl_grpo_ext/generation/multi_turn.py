@@ -189,6 +189,17 @@ class ToolLoop:
         self.max_completion_length, self.max_model_len = max_completion_length, max_model_len
         self.max_iterations = max_iterations
 
+    def with_own_tokenizer(self) -> ToolLoop:
+        """A copy that parses and renders with a copy of the tokenizer, for another thread: a
+        fast tokenizer changes its padding settings on each call, so two threads sharing one
+        (the trainer encoding prompts, the rollout worker rendering tool results) could see each
+        other's settings or collide ("Already borrowed")."""
+        format = copy.copy(self.format)
+        format.tokenizer = copy.deepcopy(self.format.tokenizer)
+        loop = copy.copy(self)
+        loop.format = format
+        return loop
+
     def run(self, engine, generation_config, seed, prompt_ids, prompt_mask, tools) -> Turns:
         """Samples one batch of rollouts, each one completion of its own prompt, through all
         their tool rounds.

@@ -458,7 +458,8 @@ class RolloutProducer:
                 # Generation and training overlap only if they do not fight over the cores.
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, self._threads_before - threads))
-        worker = EngineWorker(engine, publisher, self.generation_config, self.tool_loop)
+        tool_loop = None if self.tool_loop is None else self.tool_loop.with_own_tokenizer()
+        worker = EngineWorker(engine, publisher, self.generation_config, tool_loop)
         if engine is self.engine:
             self._engine_worker = worker  # it owns the engine: evaluations sample on its thread
         # Its in-flight batches go into checkpoints (`in_flight`).
