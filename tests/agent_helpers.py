@@ -1,6 +1,7 @@
 """Builders shared by the multi-turn tests: a tool-calling chat template on the tiny tokenizer,
 tools, and an engine that writes scripted turns."""
 
+import contextlib
 import json
 import os
 
@@ -71,3 +72,181 @@ class ScriptedEngine:
 
     def close(self):
         pass
+
+
+# A fixed three-turn conversation with `add`: the model calls it twice, then answers.
+TOOL_PROMPT = [{"role": "user", "content": "Add 2 and 3, then add 4."}]
+TOOL_TURNS = [call("add", a=2, b=3), call("add", a=5, b=4), "It is 9."]
+TOOL_RESULTS = ["5", "9"]  # what `add` returns for the two calls
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one CPU thread meanwhile: for the tiny model more threads only wait on each
+    other, up to 20 times slower on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tool_conversation(tokenizer, tools) -> tuple[list[int], list[int], list[list[int]]]:
+    """The tokens of the fixed three-turn conversation, as the multi-turn loop builds them: the
+    prompt rendered with `tools` by the chat template, then each turn (its text and eos) with
+    the tool results' tokens (`ToolCallFormat.result_ids`) between the turns.
+
+    Returns `(prompt_ids, completion_ids, pieces)`: `pieces` is the completion cut into turn,
+    result, turn, result, turn."""
+    from trl_grpo_ext.generation.multi_turn import ToolCallFormat
+    from trl_grpo_ext.generation.prompts import PromptEncoder
+
+    format = ToolCallFormat(tokenizer)
+    encoder = PromptEncoder(tokenizer, chat_template=format.chat_template)
+    prompt_ids = encoder.encode([TOOL_PROMPT], [tools])[0][0].tolist()
+    pieces = [encode(tokenizer, TOOL_TURNS[0])]
+    for result, turn in zip(TOOL_RESULTS, TOOL_TURNS[1:]):
+        pieces.append(format.result_ids([{"role": "tool", "name": "add", "content": result}]))
+        pieces.append(encode(tokenizer, turn))
+    return prompt_ids, [token for piece in pieces for token in piece], pieces
+
+
+def overfit_on_tool_conversation(model, tokenizer, tools, steps=100, learning_rate=3e-3):
+    """Trains `model` in place, with plain supervised AdamW steps, to write the assistant turns of
+    the fixed conversation (`tool_conversation`) given its context: the tool results and the
+    prompt carry no loss. Returns the last loss (mean negative log-likelihood per token)."""
+    prompt_ids, completion_ids, pieces = tool_conversation(tokenizer, tools)
+    input_ids = torch.tensor([prompt_ids + completion_ids])  # (1, L)
+    labels = input_ids.clone()
+    labels[0, : len(prompt_ids)] = -100
+    start = len(prompt_ids)
+    for index, piece in enumerate(pieces):
+        if index % 2:  # a tool result
+            labels[0, start : start + len(piece)] = -100
+        start += len(piece)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    with one_thread():
+        for _ in range(steps):
+            loss = model(input_ids=input_ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    return loss.item()
+
+
+def message_count(completions, **kwargs):
+    """A reward: the number of messages of each multi-turn completion."""
+    return [float(len(messages)) for messages in completions]
+
+
+def record_generations(engine, eos_token_ids: list[int]) -> list[dict]:
+    """Wraps `engine.generate` (on the instance) to record each call's contexts (the prompts
+    without padding) and what it sampled: per row, its tokens up to and including the first of
+    `eos_token_ids`, and their log-probs (None when the engine returns none)."""
+    calls, generate = [], engine.generate
+
+    def recording(prompt_ids, prompt_mask, generation_config, seed=None):
+        output = generate(prompt_ids, prompt_mask, generation_config, seed)
+        _, _, completion_ids, logps = output
+        turns, turn_logps = [], []
+        for row, ids in enumerate(completion_ids.tolist()):
+            length = next(
+                (i + 1 for i, token in enumerate(ids) if token in eos_token_ids), len(ids)
+            )
+            turns.append(ids[:length])
+            turn_logps.append(None if logps is None else logps[row, :length].tolist())
+        contexts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
+        calls.append(dict(contexts=contexts, turns=turns, logps=turn_logps))
+        return output
+
+    engine.generate = recording
+    return calls
+
+
+RESULT_TEXT = (
+    "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
+    """Samples a batch of `rows` through the trainer's real engine and checks token-in,
+    token-out on the fixed conversation (`overfit_on_tool_conversation`): each rollout is the
+    three sampled turns with the two rendered tool results between them, the tool mask is 0
+    exactly on the results, and the micro-batches of a generation batch hold the same ids.
+    `engine_logps`: the engine returns log-probs, which must be the rollout's behaviour
+    log-probs (finite where sampled, 0 on the results)."""
+    tokenizer = trainer.processing_class
+    prompt_ids, _, _ = tool_conversation(tokenizer, [add])
+    results = [
+        tokenizer(RESULT_TEXT.format(r), add_special_tokens=False)["input_ids"]
+        for r in TOOL_RESULTS
+    ]
+    calls = record_generations(trainer.rollouts.engine, trainer.rollouts.eos_token_ids)
+    rollout = trainer.generate_rollouts(rows)
+    group = trainer.args.num_generations
+    size = len(rows) * group
+    assert len(calls) == 3  # one call per turn, every rollout in each
+    assert rollout.tool_calls.tolist() == [2] * size
+    assert rollout.tool_failures.tolist() == [0] * size
+    for i in range(size):
+        turns = [call["turns"][i] for call in calls]
+        # the model wrote the conversation it was trained on (so the tools did run)
+        assert [tokenizer.decode(turn) for turn in turns] == [t + "<|im_end|>" for t in TOOL_TURNS]
+        messages = rollout.completions[i]
+        assert [m["role"] for m in messages] == [
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        assert [m["content"] for m in messages[1::2]] == TOOL_RESULTS
+        assert [m["tool_calls"][0]["function"]["arguments"] for m in messages[:4:2]] == [
+            {"a": 2, "b": 3},
+            {"a": 5, "b": 4},
+        ]
+        # token-in: each turn continued from exactly the prompt and everything before it
+        assert calls[0]["contexts"][i] == prompt_ids
+        assert calls[1]["contexts"][i] == prompt_ids + turns[0] + results[0]
+        assert calls[2]["contexts"][i] == prompt_ids + turns[0] + results[0] + turns[1] + results[1]
+        # token-out: the completion is what was sampled, with the results between the turns
+        expected = turns[0] + results[0] + turns[1] + results[1] + turns[2]
+        length = int(rollout.completion_mask[i].sum())
+        assert rollout.completion_ids[i, :length].tolist() == expected
+        assert rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() == prompt_ids
+        ones = [[1] * len(turn) for turn in turns]
+        zeros = [[0] * len(result) for result in results]
+        tool_mask = ones[0] + zeros[0] + ones[1] + zeros[1] + ones[2]
+        assert rollout.tool_mask[i, :length].tolist() == tool_mask
+        if engine_logps:
+            logps = rollout.behaviour_logps[i, :length]
+            sampled = torch.tensor(tool_mask, dtype=torch.bool)
+            assert logps[~sampled].eq(0).all()
+            assert torch.isfinite(logps[sampled]).all()
+            recorded = [call["logps"][i] for call in calls]
+            assert logps[sampled].tolist() == recorded[0] + recorded[1] + recorded[2]
+
+    calls.clear()
+    batches = trainer._make_generation_batch(rows)
+    assert len(calls) == 3
+    completions = []
+    for batch in batches:
+        width = batch["completion_ids"].shape[1]
+        assert torch.equal(batch["input_ids"][:, -width:], batch["completion_ids"])
+        for row in range(len(batch["input_ids"])):
+            i = len(completions)
+            turns = [call["turns"][i] for call in calls]
+            expected = turns[0] + results[0] + turns[1] + results[1] + turns[2]
+            assert batch["input_ids"][row, -width:][: len(expected)].tolist() == expected
+            prompt = batch["input_ids"][row, :-width][batch["attention_mask"][row, :-width].bool()]
+            assert prompt.tolist() == prompt_ids
+            mask = [[1] * len(t) for t in turns]
+            hidden = [[0] * len(r) for r in results]
+            trained = mask[0] + hidden[0] + mask[1] + hidden[1] + mask[2]
+            assert batch["completion_mask"][row, : len(expected)].tolist() == trained
+            assert batch["completion_mask"][row, len(expected) :].eq(0).all()
+            completions.append(expected)
+    assert len(completions) == size
