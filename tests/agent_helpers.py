@@ -1,5 +1,7 @@
 """Builders shared by the multi-turn tests: a tool-calling chat template on the tiny tokenizer,
-tools, and an engine that writes scripted turns."""
+tools, an engine that writes scripted turns, and, for the tests with real engines, a tiny model
+overfit to write a fixed three-turn conversation with tool calls and the checks that what it
+samples is what is trained on."""
 
 import contextlib
 import json
@@ -142,6 +144,21 @@ def message_count(completions, **kwargs):
     return [float(len(messages)) for messages in completions]
 
 
+def tool_calling_model(steps: int = 100):
+    """The tiny model (head size 32, which vLLM's CPU build can also run) overfit to the fixed
+    conversation, and the tokenizer with Qwen3's chat template. Fails when the last loss is not
+    near 0: the model would not reliably write the turns."""
+    from trl_grpo_ext.tiny import build_tiny_model
+
+    tokenizer = qwen3_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0, num_attention_heads=2, num_key_value_heads=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        loss = overfit_on_tool_conversation(model, tokenizer, [add], steps=steps)
+    assert loss < 0.05, f"the tiny model did not learn the conversation (loss {loss:.3f})"
+    return model, tokenizer
+
+
 def record_generations(engine, eos_token_ids: list[int]) -> list[dict]:
     """Wraps `engine.generate` (on the instance) to record each call's contexts (the prompts
     without padding) and what it sampled: per row, its tokens up to and including the first of
@@ -171,6 +188,15 @@ RESULT_TEXT = (
 )
 
 
+def interleaved(turns, results) -> tuple[list, list[int]]:
+    """The completion of three sampled turns with two tool results between them, and its tool
+    mask (1 on the turns' tokens, 0 on the results')."""
+    ids = turns[0] + results[0] + turns[1] + results[1] + turns[2]
+    mask = [[1] * len(turn) for turn in turns]
+    hidden = [[0] * len(result) for result in results]
+    return ids, mask[0] + hidden[0] + mask[1] + hidden[1] + mask[2]
+
+
 def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
     """Samples a batch of `rows` through the trainer's real engine and checks token-in,
     token-out on the fixed conversation (`overfit_on_tool_conversation`): each rollout is the
@@ -180,14 +206,14 @@ def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
     log-probs (finite where sampled, 0 on the results)."""
     tokenizer = trainer.processing_class
     prompt_ids, _, _ = tool_conversation(tokenizer, [add])
+    # the results' tokens, written out by hand: a user turn, as Qwen3's template renders them
     results = [
-        tokenizer(RESULT_TEXT.format(r), add_special_tokens=False)["input_ids"]
-        for r in TOOL_RESULTS
+        tokenizer(RESULT_TEXT.format(result), add_special_tokens=False)["input_ids"]
+        for result in TOOL_RESULTS
     ]
     calls = record_generations(trainer.rollouts.engine, trainer.rollouts.eos_token_ids)
     rollout = trainer.generate_rollouts(rows)
-    group = trainer.args.num_generations
-    size = len(rows) * group
+    size = len(rows) * trainer.args.num_generations
     assert len(calls) == 3  # one call per turn, every rollout in each
     assert rollout.tool_calls.tolist() == [2] * size
     assert rollout.tool_failures.tolist() == [0] * size
@@ -196,30 +222,20 @@ def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
         # the model wrote the conversation it was trained on (so the tools did run)
         assert [tokenizer.decode(turn) for turn in turns] == [t + "<|im_end|>" for t in TOOL_TURNS]
         messages = rollout.completions[i]
-        assert [m["role"] for m in messages] == [
-            "assistant",
-            "tool",
-            "assistant",
-            "tool",
-            "assistant",
-        ]
-        assert [m["content"] for m in messages[1::2]] == TOOL_RESULTS
-        assert [m["tool_calls"][0]["function"]["arguments"] for m in messages[:4:2]] == [
-            {"a": 2, "b": 3},
-            {"a": 5, "b": 4},
-        ]
+        roles = ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert [message["role"] for message in messages] == roles
+        assert [message["content"] for message in messages[1::2]] == TOOL_RESULTS
+        arguments = [m["tool_calls"][0]["function"]["arguments"] for m in messages[:4:2]]
+        assert arguments == [{"a": 2, "b": 3}, {"a": 5, "b": 4}]
         # token-in: each turn continued from exactly the prompt and everything before it
         assert calls[0]["contexts"][i] == prompt_ids
         assert calls[1]["contexts"][i] == prompt_ids + turns[0] + results[0]
         assert calls[2]["contexts"][i] == prompt_ids + turns[0] + results[0] + turns[1] + results[1]
         # token-out: the completion is what was sampled, with the results between the turns
-        expected = turns[0] + results[0] + turns[1] + results[1] + turns[2]
+        expected, tool_mask = interleaved(turns, results)
         length = int(rollout.completion_mask[i].sum())
         assert rollout.completion_ids[i, :length].tolist() == expected
         assert rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() == prompt_ids
-        ones = [[1] * len(turn) for turn in turns]
-        zeros = [[0] * len(result) for result in results]
-        tool_mask = ones[0] + zeros[0] + ones[1] + zeros[1] + ones[2]
         assert rollout.tool_mask[i, :length].tolist() == tool_mask
         if engine_logps:
             logps = rollout.behaviour_logps[i, :length]
@@ -229,24 +245,29 @@ def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
             recorded = [call["logps"][i] for call in calls]
             assert logps[sampled].tolist() == recorded[0] + recorded[1] + recorded[2]
 
+    # a generation batch of the training loop: its micro-batches hold what this sampling drew
     calls.clear()
     batches = trainer._make_generation_batch(rows)
     assert len(calls) == 3
-    completions = []
+    i = 0
     for batch in batches:
         width = batch["completion_ids"].shape[1]
-        assert torch.equal(batch["input_ids"][:, -width:], batch["completion_ids"])
         for row in range(len(batch["input_ids"])):
-            i = len(completions)
-            turns = [call["turns"][i] for call in calls]
-            expected = turns[0] + results[0] + turns[1] + results[1] + turns[2]
-            assert batch["input_ids"][row, -width:][: len(expected)].tolist() == expected
+            expected, tool_mask = interleaved([call["turns"][i] for call in calls], results)
+            length = len(expected)
             prompt = batch["input_ids"][row, :-width][batch["attention_mask"][row, :-width].bool()]
             assert prompt.tolist() == prompt_ids
-            mask = [[1] * len(t) for t in turns]
-            hidden = [[0] * len(r) for r in results]
-            trained = mask[0] + hidden[0] + mask[1] + hidden[1] + mask[2]
-            assert batch["completion_mask"][row, : len(expected)].tolist() == trained
-            assert batch["completion_mask"][row, len(expected) :].eq(0).all()
-            completions.append(expected)
-    assert len(completions) == size
+            assert batch["input_ids"][row, -width:][:length].tolist() == expected
+            assert batch["attention_mask"][row, -width:].tolist() == [1] * length + [0] * (
+                width - length
+            )  # the results are read
+            trained = batch["completion_mask"][row].tolist()
+            assert trained == tool_mask + [0] * (width - length)  # but get no gradient
+            if engine_logps:
+                logps = [call["logps"][i] for call in calls]
+                behaviour = batch["behaviour_logps"][row, :length]
+                sampled = torch.tensor(tool_mask, dtype=torch.bool)
+                assert behaviour[sampled].tolist() == logps[0] + logps[1] + logps[2]
+                assert behaviour[~sampled].eq(0).all()
+            i += 1
+    assert i == size

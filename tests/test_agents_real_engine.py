@@ -2,47 +2,32 @@
 twice and then answer samples three turns, and the tokens trained on are exactly the tokens it
 sampled, with the rendered tool results between them (token-in, token-out)."""
 
-import copy
-
 import pytest
-import torch
 from agent_helpers import (
     TOOL_PROMPT,
     add,
     assert_trained_on_sampled_turns,
     message_count,
     one_thread,
-    overfit_on_tool_conversation,
-    qwen3_tokenizer,
+    tool_calling_model,
 )
 from datasets import Dataset
 from trainer_helpers import make_trainer
 
 from trl_grpo_ext.generation.transformers_engine import TransformersEngine
-from trl_grpo_ext.tiny import build_tiny_model
-
-# Head size 32, as the vLLM tests' tiny model, so that the same overfit model serves both.
-TOOL_MODEL = dict(num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.fixture(scope="module")
 def tool_model():
-    """The tiny model overfit to the fixed three-turn conversation, and its tokenizer."""
-    tokenizer = qwen3_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0, **TOOL_MODEL)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        loss = overfit_on_tool_conversation(model, tokenizer, [add])
-    assert loss < 0.05, loss
-    return model, tokenizer
+    return tool_calling_model()
 
 
 def test_three_turns_sampled_by_transformers_are_the_tokens_trained_on(tool_model, tmp_path):
-    """Under LoRA (the engine samples with the adapter's model)."""
+    """Under LoRA: the engine samples with the adapter's model."""
     model, tokenizer = tool_model
     trainer = make_trainer(
         tmp_path,
-        model=copy.deepcopy(model),
+        model=model,
         tokenizer=tokenizer,
         tools=[add],
         reward_funcs=message_count,
