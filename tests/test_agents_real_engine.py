@@ -8,6 +8,7 @@ from agent_helpers import (
     add,
     assert_trained_on_sampled_turns,
     message_count,
+    needs_trl_1_16,
     one_thread,
     tool_calling_model,
 )
@@ -15,6 +16,8 @@ from datasets import Dataset
 from trainer_helpers import make_trainer
 
 from trl_grpo_ext.generation.transformers_engine import TransformersEngine
+
+pytestmark = needs_trl_1_16
 
 
 @pytest.fixture(scope="module")
