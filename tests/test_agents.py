@@ -378,3 +378,9 @@ def test_evaluate_runs_multi_turn_rollouts_and_scores_their_environments(tmp_pat
     trainer.rollouts.engine = ScriptedEngine(turn)
     metrics = trainer.evaluate()
     assert metrics["eval_rewards/Counter/mean"] == 0.5  # target 2 is reached, 3 is not
+
+
+def test_prompts_whose_tool_schemas_do_not_fit_are_an_error_not_a_cut(tmp_path):
+    trainer = tool_trainer(tmp_path, tools=[add], max_prompt_length=64)
+    with pytest.raises(ValueError, match="max_prompt_length=64.*tools' descriptions"):
+        trainer.generate_rollouts([{"prompt": chat("1 + 5?")}])
