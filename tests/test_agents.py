@@ -366,3 +366,21 @@ def test_dynamic_sampling_resamples_multi_turn_groups_with_their_masks(tmp_path)
     assert trained.any()
     assert batch["completion_mask"][trained][:, tool].eq(0).all()
     assert batch["completion_mask"][trained][:, :call_length].eq(1).all()
+
+
+def test_evaluate_runs_multi_turn_rollouts_and_scores_their_environments(tmp_path):
+    rows = [{"prompt": chat(f"Count to {t}."), "target": t} for t in (2, 3)]
+    trainer = tool_trainer(
+        tmp_path, environment_factory=Counter, reward_funcs=None, dataset=Dataset.from_list(rows)
+    )
+    trainer.eval_dataset = Dataset.from_list(rows)
+    turn, _, _ = calls_then_answers(trainer.processing_class, call("increment", step=2))
+    trainer.rollouts.engine = ScriptedEngine(turn)
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/Counter/mean"] == 0.5  # target 2 is reached, 3 is not
+
+
+def test_prompts_whose_tool_schemas_do_not_fit_are_an_error_not_a_cut(tmp_path):
+    trainer = tool_trainer(tmp_path, tools=[add], max_prompt_length=64)
+    with pytest.raises(ValueError, match="max_prompt_length=64.*tools' descriptions"):
+        trainer.generate_rollouts([{"prompt": chat("1 + 5?")}])

@@ -100,6 +100,14 @@ class PromptEncoder:
         limit = self.max_prompt_length
         if limit is not None and prompt_ids.shape[1] > limit:
             cut = int((prompt_mask.sum(dim=1) > limit).sum())
+            if tools is not None and any(tools):
+                raise ValueError(
+                    f"{cut} of {len(texts)} prompts rendered with their tools' schemas are longer "
+                    f"than max_prompt_length={limit} tokens (the longest has "
+                    f"{int(prompt_mask.sum(dim=1).max())}). Cutting them from the left would drop "
+                    "the tools' descriptions, which the chat template puts first: raise "
+                    "max_prompt_length, or set it to None (TRL does not cut prompts)."
+                )
             if cut and not self.num_truncated:
                 warnings.warn(
                     f"{cut} of {len(texts)} prompts in this batch are longer than "
