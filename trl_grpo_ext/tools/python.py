@@ -20,6 +20,7 @@ import threading
 import warnings
 
 from . import isolation
+from .isolation import NAMESPACES, PROCESS
 
 # Runs in the sandboxed interpreter: sets the limits (inside the namespaces, where RLIMIT_NPROC
 # counts the program's processes only), then runs /work/main.py as `__main__`. A traceback shows
@@ -247,9 +248,6 @@ class PythonSandbox:
                 _warned.add(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
         return PROCESS
-
-
-NAMESPACES, PROCESS = isolation.NAMESPACES, isolation.PROCESS
 
 
 def fallback_warning(reason: str) -> str:
