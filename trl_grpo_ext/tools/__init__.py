@@ -4,6 +4,8 @@
 - `ToolSet`: named tool functions and their JSON schemas (`tools=` of TRL).
 - `Environments`: `environment_factory` of TRL: a pool of instances, `reset(**row)`, their public
   methods as tools, `get_reward()` as reward functions.
+- `run_python`, `PythonSandbox`: a tool that runs model-written Python in a sandbox (Linux
+  namespaces, resource limits) and returns its output.
 - `ToolRunner`: runs the tool calls of a batch concurrently, each under a timeout; a failure is
   an `{"error": ...}` result for the model; `tool_message` and `tool_metrics` as TRL makes them.
 
@@ -21,6 +23,7 @@ from .environments import (
     tool_method_names,
 )
 from .functions import ToolSet, as_toolset, is_async_callable
+from .python import PythonSandbox, run_python
 from .results import ToolResult, error_result, tool_counts, tool_message, tool_metrics
 from .runner import ToolCall, ToolRunner
 
@@ -29,6 +32,7 @@ __all__ = [
     "ENVIRONMENT_FIELD",
     "EnvironmentFactory",
     "Environments",
+    "PythonSandbox",
     "ToolCall",
     "ToolResult",
     "ToolRunner",
@@ -38,6 +42,7 @@ __all__ = [
     "environment_prompt",
     "error_result",
     "is_async_callable",
+    "run_python",
     "tool_counts",
     "tool_message",
     "tool_method_names",

@@ -1,0 +1,318 @@
+"""`run_python`: model-written programs run in a sandbox, within their limits, and come back as a
+string; hostile programs affect neither the host's files, environment, network nor this process.
+
+The hostile cases run only where the sandbox has its namespaces (`needs_namespaces`): without
+them a program could really delete or kill. The fallback is tested on harmless programs."""
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+
+import pytest
+import torch
+from agent_helpers import ScriptedEngine, call, encode, needs_trl_1_16, qwen3_tokenizer
+from transformers import GenerationConfig
+from transformers.utils import get_json_schema
+
+from trl_grpo_ext.generation.multi_turn import ToolCallFormat, ToolLoop
+from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, isolation, run_python
+from trl_grpo_ext.tools import python as python_module
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETUP_CFG = os.path.join(PROJECT, "setup.cfg")
+# Small limits: every hostile case is over in seconds.
+LIMITS = dict(cpu_seconds=2, wall_seconds=5.0, memory_mb=512, max_processes=8)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return PythonSandbox(**LIMITS)
+
+
+@pytest.fixture
+def needs_namespaces(sandbox):
+    if sandbox.mechanism != isolation.NAMESPACES:
+        pytest.skip("this machine cannot make the sandbox's namespaces (see the warning)")
+
+
+def sandbox_leftovers() -> tuple[list[str], list[str]]:
+    """Processes of a sandbox (the setup shell or the launcher) and its temporary directories."""
+    processes = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                cmdline = file.read()
+        except OSError:
+            continue
+        if b"sandbox-setup" in cmdline or b"RLIMIT_NPROC" in cmdline or b"sleep\x004321" in cmdline:
+            processes.append(pid)
+    temporary = [
+        name for name in os.listdir(tempfile.gettempdir()) if name.startswith("run_python-")
+    ]
+    return processes, temporary
+
+
+# --- what a program gets back ---------------------------------------------------------------
+
+
+def test_a_program_prints_its_result(sandbox):
+    assert sandbox("print(2**10)") == "1024"
+    assert sandbox("import math\nprint(math.comb(10, 3))\nprint(sum(range(5)))") == "120\n10"
+
+
+def test_run_python_is_a_tool_described_by_its_docstring():
+    schema = get_json_schema(run_python)["function"]
+    assert schema["name"] == "run_python"
+    assert schema["parameters"]["required"] == ["code"]
+    assert schema["parameters"]["properties"]["code"]["type"] == "string"
+    # an instance with other limits is the same tool
+    assert get_json_schema(PythonSandbox(cpu_seconds=1))["function"] == schema
+    assert ToolSet([PythonSandbox()]).names == ["run_python"]
+    assert run_python("print(6 * 7)") == "42"
+
+
+def test_a_syntax_error_is_a_short_error(sandbox):
+    output = sandbox("print(2**10")
+    assert output.endswith("SyntaxError: '(' was never closed")
+    assert len(output) < 200 and "<string>" not in output  # the launcher's frames are hidden
+
+
+def test_an_exception_is_its_traceback_from_the_program(sandbox):
+    output = sandbox("def f():\n    return 1 / 0\nf()")
+    assert output.startswith('Traceback (most recent call last):\n  File "main.py", line 3')
+    assert output.endswith("ZeroDivisionError: division by zero")
+    assert "<string>" not in output
+    assert sandbox("import sys\nprint('bye')\nsys.exit(3)") == "bye\nExit status 3."
+
+
+def test_output_past_the_limit_is_cut_with_a_note():
+    output = PythonSandbox(max_output_bytes=100)("print('a' * 1000)")
+    assert output == "a" * 100 + "\n[output truncated: 1001 bytes, the first 100 shown]"
+
+
+def test_the_limits_are_checked():
+    with pytest.raises(ValueError, match="wall_seconds"):
+        PythonSandbox(wall_seconds=0)
+    with pytest.raises(ValueError, match="isolation"):
+        PythonSandbox(isolation="docker")
+
+
+# --- programs that go past their limits ---------------------------------------------------
+
+
+def test_an_infinite_loop_is_killed_at_its_cpu_limit(sandbox):
+    start = time.monotonic()
+    output = sandbox("while True:\n    pass")
+    assert "killed by SIGXCPU (CPU time limit of 2 s)" in output
+    assert time.monotonic() - start < 30
+
+
+def test_a_program_that_waits_is_stopped_at_the_wall_clock_limit():
+    start = time.monotonic()
+    output = PythonSandbox(wall_seconds=1.0)(
+        "import time\nprint('started', flush=True)\ntime.sleep(60)"
+    )
+    assert output == "started\nError: the program ran past the time limit of 1 s and was stopped."
+    assert time.monotonic() - start < 30
+
+
+def test_allocating_8_gb_is_a_memory_error(sandbox):
+    output = sandbox("x = bytearray(8 * 1024**3)\nprint('allocated')")
+    assert output.endswith("MemoryError") and "allocated" not in output
+
+
+def test_printing_100_mb_comes_back_truncated(sandbox):
+    output = sandbox("import sys\nsys.stdout.write('x' * (100 * 1024**2))")
+    assert (
+        output == "x" * 4096 + f"\n[output truncated: {100 * 1024**2} bytes, the first 4096 shown]"
+    )
+
+
+def test_a_fork_bomb_is_held_to_max_processes(sandbox, needs_namespaces):
+    count = "import os, time\nn = 0\ntry:\n    while n < 100:\n        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as error:\n    print(type(error).__name__, n)"
+    # the program and its children: at most max_processes = 8, so 7 forks succeed
+    assert sandbox(count) == "BlockingIOError 7"
+    output = sandbox("import os\nwhile True: os.fork()")
+    assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in output
+    assert sandbox("print(1)") == "1" and os.system("true") == 0  # this process forks as usual
+    assert sandbox_leftovers()[0] == []
+
+
+# --- programs that try to reach the host ---------------------------------------------------
+
+
+def test_etc_passwd_and_the_project_files_do_not_exist_in_the_sandbox(sandbox, needs_namespaces):
+    output = sandbox("print(open('/etc/passwd').read())")
+    assert output.endswith("FileNotFoundError: [Errno 2] No such file or directory: '/etc/passwd'")
+    assert "root:" not in output
+    output = sandbox(f"print(open({SETUP_CFG!r}).read())")
+    assert output.endswith(f"No such file or directory: {SETUP_CFG!r}")
+    assert "[metadata]" not in output
+    # what exists: the system directories, the interpreter, /dev, /proc and /work
+    listing = sandbox("import os\nprint(sorted(os.listdir('/')))")
+    interpreter_top = os.path.realpath(sys.base_prefix).split("/")[1]  # /root here (pyenv)
+    allowed = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp"}
+    assert set(eval(listing)) <= allowed | {"usr", "work", interpreter_top}
+    assert "home" not in listing
+    assert sandbox("import os\nprint(sorted(os.listdir('/etc')))") == "['ld.so.cache']"
+    assert sandbox("import os\nprint(os.getcwd(), os.listdir('.'))") == "/work ['main.py']"
+
+
+def test_the_parents_environment_is_not_visible(sandbox, needs_namespaces, monkeypatch):
+    monkeypatch.setenv("RUN_PYTHON_TEST_SECRET", "s3cr3t-4f1e9")
+    program = (
+        "import os\nprint(dict(os.environ))\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    try:\n"
+        "        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except (OSError, ValueError) as error:\n"
+        "        pass\n"
+    )
+    output = sandbox(program)
+    assert "'HOME': '/work'" in output  # it ran
+    assert "s3cr3t-4f1e9" not in output and "RUN_PYTHON_TEST_SECRET" not in output
+
+
+def test_files_written_outside_work_do_not_reach_the_host(sandbox, needs_namespaces, tmp_path):
+    targets = [tmp_path / "written", os.path.join(PROJECT, f"written-{os.getpid()}")]
+    program = "\n".join(
+        f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept OSError as e:\n    print(type(e).__name__)"
+        for t in targets
+    )
+    program += "\nopen('/tmp/scratch', 'w').write('y')\nprint(open('/work/scratch').read())"
+    output = sandbox(program)
+    assert output == "FileNotFoundError\nFileNotFoundError\ny"  # /tmp is /work, its own
+    assert not any(os.path.exists(t) for t in targets)
+    assert "read-only" in sandbox("open('/usr/written', 'w')").lower()
+
+
+def test_deleting_the_projects_files_deletes_nothing(sandbox, needs_namespaces):
+    # a directory of the project (not the checkout itself: were the sandbox broken, the test
+    # must not destroy the repository)
+    directory = tempfile.mkdtemp(prefix="rmtree-target-", dir=PROJECT)
+    try:
+        with open(os.path.join(directory, "keep.txt"), "w") as file:
+            file.write("kept")
+        output = sandbox(f"import shutil\nshutil.rmtree({directory!r})\nshutil.rmtree({PROJECT!r})")
+        assert "FileNotFoundError" in output
+        with open(os.path.join(directory, "keep.txt")) as file:
+            assert file.read() == "kept"
+        assert os.path.exists(SETUP_CFG)
+    finally:
+        for name in os.listdir(directory):
+            os.remove(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def test_a_connection_to_a_local_port_fails(sandbox, needs_namespaces):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        output = sandbox(program)
+        assert "Network is unreachable" in output and "connected" not in output
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing ever connected
+
+
+def test_signals_reach_no_process_outside(sandbox, needs_namespaces):
+    sandbox("import os\nos.kill(os.getppid(), 9)")
+    sandbox("import os\nos.kill(-1, 9)")
+    output = sandbox("import ctypes\nctypes.CDLL(None).kill(0, 9)\nprint('survived')")
+    assert output.endswith("Error: the program was killed by SIGKILL.")
+    assert sandbox("print('still here')") == "still here"  # and so is this process
+
+
+def test_a_segfault_is_an_error(sandbox):
+    output = sandbox("import ctypes\nctypes.string_at(0)")
+    assert output.endswith("Error: the program was killed by SIGSEGV.")
+
+
+# --- nothing is left behind ----------------------------------------------------------------
+
+
+def run_and_check_leftovers(sandbox, count):
+    before = sandbox_leftovers()
+    background = "import subprocess\nsubprocess.Popen(['sleep', '4321'])\nprint('ok')"
+    for i in range(count):
+        assert sandbox(background if i % 2 else "print(1)") == ("ok" if i % 2 else "1")
+    assert sandbox_leftovers() == before == ([], [])
+
+
+def test_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namespaces):
+    run_and_check_leftovers(sandbox, 20)
+    PythonSandbox(wall_seconds=0.5)("import time\ntime.sleep(10)")  # killed mid-run
+    assert sandbox_leftovers() == ([], [])
+
+
+@pytest.mark.slow
+def test_1000_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namespaces):
+    run_and_check_leftovers(sandbox, 1000)
+
+
+# --- without namespaces ---------------------------------------------------------------------
+
+
+def test_without_namespaces_it_runs_in_a_process_and_warns_once(monkeypatch):
+    monkeypatch.setattr(isolation, "missing_tools", lambda: ["unshare"])
+    monkeypatch.setattr(python_module, "_warned", set())
+    monkeypatch.setenv("RUN_PYTHON_TEST_SECRET", "s3cr3t-4f1e9")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = PythonSandbox(**LIMITS), PythonSandbox(**LIMITS)
+        assert first("print(2**10)") == "1024"
+        assert second("import os\nprint(os.getcwd())").startswith(tempfile.gettempdir())
+        output = first("import os\nprint(dict(os.environ))")
+        assert second("x = bytearray(8 * 1024**3)").endswith("MemoryError")
+    assert first.mechanism == second.mechanism == isolation.PROCESS
+    assert "s3cr3t-4f1e9" not in output
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1
+    assert "the util-linux programs unshare are not installed" in messages[0]
+    assert "can read and write whatever this user can, reach the network" in messages[0]
+    assert sandbox_leftovers()[1] == []
+
+
+# --- as a tool of the multi-turn loop --------------------------------------------------------
+
+
+@needs_trl_1_16
+def test_the_model_calls_run_python_and_reads_its_output():
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([run_python])
+    messages = [{"role": "user", "content": "What is 2**100?"}]
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools.functions, add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    turns = [
+        encode(tokenizer, call("run_python", code="print(2**100)")),
+        encode(tokenizer, "1267650600228229401496703205376"),
+    ]
+    with ToolRunner(max_workers=2, timeout=30.0) as runner:
+        loop = ToolLoop(
+            ToolCallFormat(tokenizer),
+            runner,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            max_completion_length=1024,
+            max_model_len=8192,
+        )
+        result = loop.run(
+            ScriptedEngine(turns),
+            GenerationConfig(),
+            None,
+            prompt_ids,
+            torch.ones_like(prompt_ids),
+            [tools],
+        )
+    tool_message = result.completions[0][1]
+    assert tool_message == {"role": "tool", "name": "run_python", "content": str(2**100)}
+    assert result.calls == [1] and result.failures == [0]
