@@ -43,8 +43,10 @@ $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 	$(LOWEST)/bin/python -m pip install -q -c constraints/lowest.txt -e ".[dev]"
 	touch $(LOWEST_STAMP)
 
+# Without the learning curves and the side-by-side benchmarks, which measure the objective and
+# TRL's trainer rather than the package's use of the libraries; the newest releases run them.
 test-lowest: $(LOWEST_STAMP)
-	$(LOWEST)/bin/python -m pytest -q
+	$(LOWEST)/bin/python -m pytest -q --ignore=tests/test_learning.py --ignore=tests/test_benchmarks.py
 
 train: $(STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
