@@ -81,6 +81,13 @@ class ToolCallFormat:
         if not utils.is_chat_template_prefix_preserving(tokenizer):
             self.chat_template = utils.get_training_chat_template(tokenizer)
         self._parse = utils.parse_response
+        self._render = dict(
+            tokenize=True,
+            return_dict=False,
+            chat_template=self.chat_template,
+            **self.chat_template_kwargs,
+        )
+        self._stand_ins: dict[str, list[int]] = {}  # tool name -> its stand-in turn's tokens
 
     def parse(self, ids: list[int], prefix: list[int], tools) -> dict:
         """The assistant message of one turn, with its `tool_calls` when it made any (malformed
@@ -95,26 +102,11 @@ class ToolCallFormat:
         results' tokens. The stand-in turn is cut after its last eos, where the sampled turn ends
         (Qwen3 renders a newline after `<|im_end|>`, which then belongs to the results).
         """
-        call = [
-            {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
-        ]
-        messages = [
-            {"role": "user", "content": "dummy"},
-            {"role": "assistant", "content": "", "tool_calls": call},
-        ]
-        render = dict(
-            tokenize=True,
-            return_dict=False,
-            chat_template=self.chat_template,
-            **self.chat_template_kwargs,
-        )
-        before = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **render)
+        messages = _stand_in(tool_messages[0]["name"])
         after = self.tokenizer.apply_chat_template(
-            messages + tool_messages, add_generation_prompt=True, **render
+            messages + tool_messages, add_generation_prompt=True, **self._render
         )
-        eos = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
-        if eos:
-            before = before[: eos[-1] + 1]
+        before = self._stand_in_ids(tool_messages[0]["name"])
         if after[: len(before)] != before:
             raise ValueError(
                 "The chat template renders an assistant's tool call differently once a tool result "
@@ -122,6 +114,27 @@ class ToolCallFormat:
                 "chat template."
             )
         return after[len(before) :]
+
+    def _stand_in_ids(self, name: str) -> list[int]:
+        """The tokens of the stand-in conversation up to the end of its call turn (the last
+        eos), rendered once per tool name."""
+        if name not in self._stand_ins:
+            ids = self.tokenizer.apply_chat_template(
+                _stand_in(name), add_generation_prompt=False, **self._render
+            )
+            eos = [i for i, token in enumerate(ids) if token == self.tokenizer.eos_token_id]
+            self._stand_ins[name] = ids[: eos[-1] + 1] if eos else ids
+        return self._stand_ins[name]
+
+
+def _stand_in(name: str) -> list[dict]:
+    """A user message and an assistant turn calling the tool `name` (TRL renders results after
+    one, since some templates derive the result's header from the call)."""
+    call = [{"type": "function", "function": {"name": name, "arguments": {}}}]
+    return [
+        {"role": "user", "content": "dummy"},
+        {"role": "assistant", "content": "", "tool_calls": call},
+    ]
 
 
 @dataclass

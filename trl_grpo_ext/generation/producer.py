@@ -207,22 +207,12 @@ class RolloutProducer:
             completion_mask=completion_mask,
             is_truncated=is_truncated,
             group_size=group_size,
-            columns={
-                key: [row[key] for row in rows for _ in range(group_size)]
-                for key in rows[0]
-                if key != "prompt"
-            },
+            columns=_columns(rows, group_size),
             behaviour_logps=behaviour_logps,
             policy_version=version,
         )
-        if self.args.pad_to_multiple_of:
-            rollout = pad_rollout(rollout, self.args.pad_to_multiple_of, pad)
-        decoded = self.tokenizer.batch_decode(
-            rollout.completion_id_lists(), skip_special_tokens=True
-        )
-        if is_conversational(prompts[0]):
-            decoded = [[{"role": "assistant", "content": text}] for text in decoded]
-        rollout.completions = decoded
+        rollout = self._padded(rollout)
+        rollout.completions = self._decoded(prompts[0], rollout.completion_id_lists())
         return rollout
 
     def _generate_turns(self, rows, version, engine, seed, slot=0) -> Rollout:
@@ -293,15 +283,12 @@ class RolloutProducer:
                 )
         prompt_ids, prompt_mask = left_padded(output["prompt_ids"], self.tokenizer.pad_token_id)
         completion_ids = [list(ids) for ids in output["completion_ids"]]
-        decoded = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if is_conversational(prompts[0]):
-            decoded = [[{"role": "assistant", "content": text}] for text in decoded]
         rollout = rollout_from_lists(
             prompts,
             prompt_ids,
             prompt_mask,
             completion_ids,
-            decoded,
+            self._decoded(prompts[0], completion_ids),
             columns={**_columns(rows, group), **extra},
             group_size=group,
             eos_token_ids=[*self.eos_token_ids, self.tokenizer.pad_token_id],
@@ -311,6 +298,14 @@ class RolloutProducer:
             version=version,
         )
         return self._padded(rollout)
+
+    def _decoded(self, prompt, completion_ids: list[list[int]]) -> list:
+        """Completions as text: strings, or one assistant message each when the prompts are
+        conversational (`prompt` is one of them)."""
+        decoded = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational(prompt):
+            decoded = [[{"role": "assistant", "content": text}] for text in decoded]
+        return decoded
 
     def _padded(self, rollout: Rollout) -> Rollout:
         if self.args.pad_to_multiple_of:
