@@ -117,11 +117,14 @@ def test_a_result_past_the_budget_ends_the_rollout_at_its_call_and_the_last_turn
     prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
     config = GenerationConfig(max_new_tokens=512)
 
-    # the result does not fit: the rollout is its call, no tool message
-    tight = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix) - 1)
-    result = tight.run(ScriptedEngine([first]), config, None, prompt_ids, prompt_mask, [tools])
-    assert result.completion_ids == [first] and len(result.completions[0]) == 1
-    assert result.calls == [1]
+    # the result does not fit, or fits with no room for a token after it: the rollout is its
+    # call, no tool message (it never ends on a result, which a reward would read as the answer)
+    for room in (-1, 0):
+        tight = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix) + room)
+        engine = ScriptedEngine([first, long_answer])
+        result = tight.run(engine, config, None, prompt_ids, prompt_mask, [tools])
+        assert result.completion_ids == [first] and len(result.completions[0]) == 1
+        assert result.calls == [1] and len(engine.prompts) == 1
 
     # it fits, and the answer after it is cut at the budget
     budget = len(first) + len(suffix) + 10

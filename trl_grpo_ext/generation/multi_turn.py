@@ -261,8 +261,11 @@ class ToolLoop:
                 messages = [result.message() for result in calls]
                 suffix = self.format.result_ids(messages)
                 length = len(turns.completion_ids[i]) + len(suffix)
-                if length > self.max_completion_length:
-                    continue  # no room for the results: the rollout ends at its call
+                # No room for the results and at least one token after them: the rollout ends at
+                # its call (it never ends on a result, which reward functions would read as the
+                # model's last message).
+                if length >= self.max_completion_length:
+                    continue
                 if len(prompt_ids[i]) + length >= self.max_model_len:
                     continue
                 turns.completions[i].extend(messages)
