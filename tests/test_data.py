@@ -91,6 +91,12 @@ def test_synthetic_difficulty_and_scoring():
     hard = synthetic_rows(200, split="train", difficulty=4, seed=0)
     assert {row["question"].split()[3] for row in hard} == {"+", "-"}
     assert all(int(row["answer"]) >= 0 for row in hard)
+    products = synthetic_rows(200, split="train", difficulty=6, seed=0)
+    for row in products:
+        a, operation, b = row["question"].rstrip("?").split()[2:]  # "What is 347 * 58?"
+        assert operation == "*" and 0 <= int(a) <= 999 and 0 <= int(b) <= 99
+        assert int(row["answer"]) == int(a) * int(b)
+    assert max(int(row["answer"]) for row in products) > 10_000  # beyond mental arithmetic
     with pytest.raises(ValueError, match="difficulty"):
         synthetic_rows(5, difficulty=9)
     with pytest.raises(ValueError, match="distinct"):

@@ -149,16 +149,19 @@ class Difficulty:
 
     digits: int
     operations: str
+    multiplier_digits: int = 1  # digits of the second factor of a product
 
 
 # Level -> problems. Levels 1-2 fit the tiny model of the offline default; the rest are for
-# real models on a CPU smoke run.
+# real models on a CPU smoke run; level 6 (products of up to 3 by up to 2 digits) is for a model
+# with a Python tool, which small models cannot multiply without.
 DIFFICULTIES = {
     1: Difficulty(digits=1, operations="+"),
     2: Difficulty(digits=2, operations="+"),
     3: Difficulty(digits=2, operations="+-"),
     4: Difficulty(digits=3, operations="+-"),
     5: Difficulty(digits=2, operations="+-*"),
+    6: Difficulty(digits=3, operations="*", multiplier_digits=2),
 }
 HELD_OUT_PERCENT = 20
 SPLITS = ("train", "validation", "test")
@@ -189,7 +192,7 @@ def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
     operation = rng.choice(level.operations)
     a, b = rng.randint(0, high), rng.randint(0, high)
     if operation == "*":
-        b = rng.randint(0, 9)
+        b = rng.randint(0, 10**level.multiplier_digits - 1)
     if operation == "-" and b > a:
         a, b = b, a
     value = {"+": a + b, "-": a - b, "*": a * b}[operation]

@@ -34,6 +34,7 @@ from .generation.transformers_engine import TransformersEngine
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
+from .tools.results import is_failure
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EvalReport:
     pass_at_k_strict: dict[str, float] = field(default_factory=dict)
     mean_completion_tokens: float | None = None
     truncated_fraction: float | None = None
+    # With tools: the share of greedy completions that called one, and of calls that failed.
+    tool_call_rate: float | None = None
+    tool_error_rate: float | None = None
     samples: list[dict] = field(default_factory=list)  # a few greedy completions to read
 
     def to_dict(self) -> dict:
@@ -67,7 +71,28 @@ class EvalReport:
                 f"{name} (n={self.num_samples}, T={self.temperature}) strict {strict:.1%}, "
                 f"lenient {value:.1%}"
             )
+        if self.tool_call_rate is not None:
+            errors = "-" if self.tool_error_rate is None else f"{self.tool_error_rate:.1%}"
+            parts.append(f"tool called in {self.tool_call_rate:.1%}, calls failed {errors}")
         return "; ".join(parts)
+
+
+def transcript(completion) -> str:
+    """A completion as text to read: itself, or a multi-turn one's messages, each tool call and
+    result on lines of its own (`[call name] {arguments}`, `[name] result`)."""
+    if isinstance(completion, str):
+        return completion
+    lines = []
+    for message in completion:
+        if message.get("role") == "tool":
+            lines.append(f"[{message.get('name', 'tool')}] {completion_text([message])}")
+            continue
+        if message.get("content"):
+            lines.append(completion_text([message]))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            lines.append(f"[call {function.get('name')}] {json.dumps(function.get('arguments'))}")
+    return "\n".join(lines)
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -88,12 +113,13 @@ def score_completions(
     format_reward: Callable | None = None,
     truncated: list[bool] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """`(strict, lenient)` scores, 0.0 or 1.0, one per completion; `truncated` marks completions
-    cut at the token cap (never strict)."""
+    """`(strict, lenient)` scores, 0.0 or 1.0, one per completion (a string, or the messages of
+    a multi-turn one, whose last message holds the answer); `truncated` marks completions cut at
+    the token cap (never strict)."""
     lenient = [
         float(score or 0.0) for score in math_accuracy(completions=completions, answer=answers)
     ]
-    formatted = [has_boxed_final_answer(text) for text in completions]
+    formatted = [has_boxed_final_answer(completion_text(c)) for c in completions]
     if truncated is not None:
         formatted = [ok and not cut for ok, cut in zip(formatted, truncated)]
     if format_reward is not None:
@@ -116,13 +142,20 @@ def generate(
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
     engine=None,
-) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
+    tool_turns: Callable | None = None,
+    rows: list[dict] | None = None,
+) -> tuple[list[list], list[list[int]], list[list[bool]]]:
     """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
     sampled ones (no top-k or min-p filter, whatever the checkpoint's `generation_config`
     says). Prompts are rendered and tokenised as in training (`generation.PromptEncoder`), and
     sampled by `engine` (`generation.engines`: a trainer's vLLM engine, for example); by
     default by `model`'s own `generate`, in eval mode.
-    Returns `(texts, token_counts, truncated)`, each `[prompt][sample]`."""
+
+    With `tool_turns` (a trainer's `trainer.rollouts.tool_turns`), the completions go through
+    the trainer's tools as in training: each is the list of messages reward functions get (the
+    model's turns and the tools' results; the last one holds the answer), its token count
+    includes the results, and `rows` (the dataset's rows, default `{"prompt": ...}`) reset the
+    environments. Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
     engine = engine or TransformersEngine(lambda: in_eval_mode(model))
     encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -139,7 +172,16 @@ def generate(
     samples = config.num_return_sequences
     outputs, counts, truncated = [], [], []
     step = max(1, batch_size // samples)
+    rows = rows or [{"prompt": prompt} for prompt in prompts]
     for start in range(0, len(prompts), step):
+        if tool_turns is not None:
+            turns = tool_turns(rows[start : start + step], engine, config)
+            for row in range(0, len(turns.completions), samples):
+                ids = turns.completion_ids[row : row + samples]
+                outputs.append(turns.completions[row : row + samples])
+                counts.append([len(sample) for sample in ids])
+                truncated.append([not sample or sample[-1] not in eos_ids for sample in ids])
+            continue
         prompt_ids, prompt_mask = encoder.encode(prompts[start : start + step])  # (B, P)
         _, _, completion_ids, _ = engine.generate(prompt_ids, prompt_mask, config)  # (B * n, T)
         mask, cut = completion_mask_from_ids(completion_ids, eos_ids)
@@ -170,11 +212,20 @@ def problem_scores(
     format_reward: Callable | None = None,
     chat_template_kwargs: dict | None = None,
     engine=None,
+    tool_turns: Callable | None = None,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
-    (strict, lenient), completion token counts and truncations. `summarize` turns them into an
-    `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
+    (strict, lenient), completion token counts and truncations, and with `tool_turns` (see
+    `generate`) the greedy completion's tool calls and failed calls. `summarize` turns them into
+    an `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
+    sampling = dict(
+        batch_size=batch_size,
+        chat_template_kwargs=chat_template_kwargs,
+        engine=engine,
+        tool_turns=tool_turns,
+        rows=dataset.to_list() if tool_turns is not None else None,
+    )
     records = [
         {"prompt": prompt, "answer": answer, "tokens": [], "truncated": []}
         for prompt, answer in zip(prompts, answers)
@@ -185,9 +236,7 @@ def problem_scores(
             tokenizer,
             prompts,
             max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            chat_template_kwargs=chat_template_kwargs,
-            engine=engine,
+            **sampling,
         )
         completions = [group[0] for group in outputs]
         strict, lenient = score_completions(
@@ -197,6 +246,9 @@ def problem_scores(
             record.update(completion=completions[i], strict=strict[i], lenient=lenient[i])
             record["tokens"] += counts[i]
             record["truncated"] += cut[i]
+            if tool_turns is not None:
+                results = [m for m in completions[i] if m.get("role") == "tool"]
+                record.update(calls=len(results), failed=sum(map(is_failure, results)))
     if num_samples:
         outputs, counts, cut = generate(
             model,
@@ -206,9 +258,7 @@ def problem_scores(
             num_samples=num_samples,
             temperature=temperature,
             top_p=top_p,
-            batch_size=batch_size,
-            chat_template_kwargs=chat_template_kwargs,
-            engine=engine,
+            **sampling,
         )
         flat = [text for group in outputs for text in group]
         strict, lenient = score_completions(
@@ -246,11 +296,15 @@ def summarize(
                 if not isinstance(r["prompt"], str)
                 else r["prompt"],
                 "answer": r["answer"],
-                "completion": r["completion"],
+                "completion": transcript(r["completion"]),
                 "correct": bool(r["lenient"]),
             }
             for r in records[:num_examples]
         ]
+        if "calls" in records[0]:
+            calls = sum(r["calls"] for r in records)
+            report.tool_call_rate = sum(r["calls"] > 0 for r in records) / count
+            report.tool_error_rate = sum(r["failed"] for r in records) / calls if calls else None
     if num_samples and records and "right" in records[0]:
         if max(k_values) > num_samples:
             raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
@@ -332,10 +386,12 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
     """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
     every process gets the same report, and every process must call it. Completions come from
     the trainer's engine, with its current weights (`RolloutProducer.evaluation_engine`):
-    transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM.
+    transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM,
+    through the trainer's tools and environments when it has some.
     Before training, the model is first moved to the accelerator's device: under DeepSpeed and
     FSDP the Trainer leaves it where it was loaded (the CPU) until `train()`."""
     kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
+    kwargs.setdefault("tool_turns", tool_turns_of(trainer))
     model = place_on_device(trainer)
     engine = trainer.rollouts.evaluation_engine(trainer.state.global_step)
     return evaluate_sharded(
@@ -347,6 +403,13 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
         num_examples=num_examples,
         **kwargs,
     )
+
+
+def tool_turns_of(trainer) -> Callable | None:
+    """The trainer's multi-turn sampling (`RolloutProducer.tool_turns`) when it has tools or
+    environments, else None: evaluations then use the tools as training does."""
+    rollouts = trainer.rollouts
+    return rollouts.tool_turns if rollouts.tool_loop is not None else None
 
 
 def place_on_device(trainer):
@@ -451,7 +514,8 @@ class PeriodicEvalCallback(TrainerCallback):
     called on every process (the trainer's `save_model`, which gathers sharded weights); else
     the main process calls the model's `save_pretrained`. `skip_last_step` leaves out the
     evaluation at the run's last step, for a caller that evaluates (and `record`s) the final
-    weights after training anyway, as the recipe does.
+    weights after training anyway, as the recipe does. `tool_turns`, when given, returns the
+    multi-turn sampling to evaluate with (`lambda: tool_turns_of(trainer)`); see `generate`.
     """
 
     def __init__(
@@ -468,8 +532,10 @@ class PeriodicEvalCallback(TrainerCallback):
         engine: Callable | None = None,
         save_model: Callable[[str], None] | None = None,
         skip_last_step: bool = False,
+        tool_turns: Callable | None = None,
     ):
         self.tokenizer, self.dataset, self.engine = tokenizer, dataset, engine
+        self.tool_turns = tool_turns
         self.save_model, self.skip_last_step = save_model, skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
@@ -526,6 +592,7 @@ class PeriodicEvalCallback(TrainerCallback):
             num_examples=0,
             chat_template_kwargs=args.chat_template_kwargs,
             engine=self.engine(state.global_step) if self.engine else None,
+            tool_turns=self.tool_turns() if self.tool_turns else None,
         )
         self.record(state.global_step, report, model=model)
         return control
@@ -608,6 +675,14 @@ def before_after_table(before: EvalReport, after: EvalReport) -> str:
         lines.append(
             f"| mean completion tokens | {before.mean_completion_tokens:.1f} | "
             f"{after.mean_completion_tokens:.1f} |"
+        )
+    if before.tool_call_rate is not None and after.tool_call_rate is not None:
+        lines.append(
+            f"| tool called | {percent(before.tool_call_rate)} | {percent(after.tool_call_rate)} |"
+        )
+        lines.append(
+            f"| tool calls that failed | {percent(before.tool_error_rate)} | "
+            f"{percent(after.tool_error_rate)} |"
         )
     if before.truncated_fraction is not None and after.truncated_fraction is not None:
         lines.append(

@@ -49,7 +49,10 @@ class MathScriptArguments:
         default=200, metadata={"help": "Held-out problems evaluated before and after training."}
     )
     synthetic_difficulty: int = field(
-        default=2, metadata={"help": "Difficulty level of the synthetic arithmetic (1-5)."}
+        default=2,
+        metadata={
+            "help": "Difficulty level of the synthetic arithmetic (1-6; 6: products for a Python tool)."
+        },
     )
     synthetic_validation_percent: int = field(
         default=0,

@@ -38,7 +38,7 @@ import torch
 
 from .async_rollout import ResumableWorker, RolloutPipeline
 from .engines import EngineWorker, WeightPublisher, build_engine
-from .multi_turn import ToolCallFormat, ToolLoop
+from .multi_turn import ToolCallFormat, ToolLoop, Turns
 from .process_worker import ParameterPublisher, ProcessEngine
 from .prompts import PromptEncoder, is_conversational
 from .rollout import (
@@ -156,6 +156,15 @@ class RolloutProducer:
         return self.build_rollout(
             rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
         )
+
+    def tool_turns(self, rows: list[dict], engine, generation_config) -> Turns:
+        """Multi-turn completions of `rows` through the tools and environments, outside the
+        training schedule (evaluations: `evaluation.generate`), sampled by `engine` (from
+        `evaluation_engine`) with `generation_config`: `num_return_sequences` per row, in order."""
+        group = generation_config.num_return_sequences or 1
+        slot = 0 if self.args.max_staleness is None else "outside"
+        _, tools, _, encoded = self._start_turns(rows, group, slot)
+        return self.tool_loop.run(engine, generation_config, None, *encoded, tools)
 
     def evaluation_engine(self, version: int):
         """The engine to sample with outside the training schedule (evaluations), with the

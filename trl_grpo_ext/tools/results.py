@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,22 @@ def tool_counts(results: list[list[ToolResult]]) -> tuple[int, int]:
 def error_result(name: str, message: str) -> ToolResult:
     """A failed call's result: `{"error": message}`, as TRL gives the model."""
     return ToolResult(name, {"error": message}, failed=True)
+
+
+# A line that reports a failure: `NameError: ...` (a traceback's last line, a SyntaxError) or
+# `run_python`'s `Error: the program ran past ...`.
+_FAILURE_LINE = re.compile(r"^(\w*Error|\w*Exception)\b", re.MULTILINE)
+
+
+def is_failure(message: dict) -> bool:
+    """Whether a `tool` message reports a failure: a call that raised or timed out (its content
+    is `{"error": ...}`, as a dict or its text), or a program run by `run_python` that raised or
+    ran past a limit (a line starting with `...Error`)."""
+    content = message.get("content")
+    if isinstance(content, dict):
+        return "error" in content
+    text = content if isinstance(content, str) else ""
+    return text.startswith("{'error': ") or bool(_FAILURE_LINE.search(text))
 
 
 def tool_metrics(calls: int, failures: int, num_rollouts: int) -> dict[str, float]:
