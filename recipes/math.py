@@ -30,7 +30,12 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.checkpoints import checkpoint_step, resolve_resume
-from trl_grpo_ext.data import check_chat_template, dataset_hub_id, load_math_dataset
+from trl_grpo_ext.data import (
+    check_chat_template,
+    dataset_hub_id,
+    load_math_dataset,
+    with_examples,
+)
 from trl_grpo_ext.evaluation import (
     MetricsJsonlCallback,
     PeriodicEvalCallback,
@@ -39,9 +44,17 @@ from trl_grpo_ext.evaluation import (
     keep_records_up_to,
     plot_training_curve,
     set_aside,
+    tool_turns_of,
 )
 from trl_grpo_ext.rewards import get_reward
-from trl_grpo_ext.script_args import MathScriptArguments, resolve_model_path, resume_argument
+from trl_grpo_ext.script_args import (
+    MathScriptArguments,
+    load_chat_template,
+    load_messages,
+    load_tools,
+    resolve_model_path,
+    resume_argument,
+)
 
 
 def main(script_args, training_args, model_args):
@@ -79,12 +92,20 @@ def main(script_args, training_args, model_args):
         num_rows=script_args.num_eval_samples,
         **data_kwargs,
     )
+    if script_args.prompt_examples:  # e.g. a worked example of a tool call, before each question
+        examples = load_messages(script_args.prompt_examples)
+        train_dataset, eval_dataset = (
+            with_examples(d, examples) for d in (train_dataset, eval_dataset)
+        )
 
-    # Tokenizer and model.
+    # Tokenizer (with a chat template that has a tool format, when given), tools and model.
     model_path = resolve_model_path(script_args, model_args, training_args)
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if script_args.chat_template:
+        tokenizer.chat_template = load_chat_template(script_args.chat_template)
+    tools = load_tools(script_args.tools)
     check_chat_template(tokenizer, script_args.system_prompt or None)
     quantization_config = get_quantization_config(model_args)
     model = AutoModelForCausalLM.from_pretrained(
@@ -127,6 +148,7 @@ def main(script_args, training_args, model_args):
         engine=lambda step: trainer.rollouts.evaluation_engine(step),
         save_model=lambda folder: trainer.save_model(folder),
         skip_last_step=True,  # the final evaluation below scores the same weights
+        tool_turns=lambda: tool_turns_of(trainer),  # through the tools, as in training
     )
     trainer = GroupRelativeTrainer(
         model=model,
@@ -136,6 +158,7 @@ def main(script_args, training_args, model_args):
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsJsonlCallback(metrics_path), periodic],
+        tools=tools or None,
     )
     trainer.base_model_id = script_args.base_model  # the Hub id a pushed adapter names
 

@@ -384,3 +384,53 @@ def test_prompts_whose_tool_schemas_do_not_fit_are_an_error_not_a_cut(tmp_path):
     trainer = tool_trainer(tmp_path, tools=[add], max_prompt_length=64)
     with pytest.raises(ValueError, match="max_prompt_length=64.*tools' descriptions"):
         trainer.generate_rollouts([{"prompt": chat("1 + 5?")}])
+
+
+def divide(a: int, b: int) -> float:
+    """Divides two integers.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def test_held_out_evaluation_samples_through_the_tools_and_scores_the_last_answer(tmp_path):
+    """The recipe's evaluation (`evaluate_on_processes`) runs the trainer's tools: a problem is
+    right when the model's last message is, never because a tool's result holds the answer; the
+    report counts the completions that called a tool and the calls that failed."""
+    from trl_grpo_ext.evaluation import evaluate_on_processes
+
+    trainer = tool_trainer(tmp_path, tools=[add, divide])
+    tokenizer = trainer.processing_class
+    turns = {
+        "call add": encode(tokenizer, call("add", a=2, b=3)),
+        "call divide": encode(tokenizer, call("divide", a=1, b=0)),
+        "right": encode(tokenizer, "It is 5."),
+        "no answer": encode(tokenizer, "I do not know."),
+    }
+
+    def turn(context):
+        text = tokenizer.decode(context)
+        first = "2 + 3?" in text
+        if "<tool_response>" not in text:
+            return turns["call add"] if first else turns["call divide"]
+        return turns["right"] if first else turns["no answer"]
+
+    trainer.rollouts.engine = engine = ScriptedEngine(turn)
+    problems = Dataset.from_list(
+        [{"prompt": chat("2 + 3?"), "answer": "5"}, {"prompt": chat("1 / 0?"), "answer": "5"}]
+    )
+    report = evaluate_on_processes(
+        trainer, problems, max_new_tokens=256, num_samples=2, k_values=(1, 2), temperature=1.0
+    )
+    # the second problem's tool failed, and its last message has no number: wrong, although the
+    # first call's result and the reference are both 5
+    assert report.greedy_lenient == 0.5 and report.pass_at_k == {"pass@1": 0.5, "pass@2": 0.5}
+    assert report.tool_call_rate == 1.0 and report.tool_error_rate == 0.5
+    assert "[add] 5" in report.samples[0]["completion"]
+    assert report.samples[0]["completion"].endswith("It is 5.")
+    assert "[divide] {'error'" in report.samples[1]["completion"]
+    # greedy: 2 rollouts in 2 rounds; sampled: 4 rollouts in 2 rounds
+    assert [len(contexts) for contexts in engine.prompts] == [2, 2, 4, 4]

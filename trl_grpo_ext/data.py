@@ -92,6 +92,18 @@ def make_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> lis
     return messages + [{"role": "user", "content": question}]
 
 
+def with_examples(dataset: Dataset, examples: list[dict]) -> Dataset:
+    """`dataset` with `examples` (messages: a worked example, for instance) put in each prompt
+    after its system message, before the question."""
+
+    def insert(row):
+        prompt = row["prompt"]
+        head = 1 if prompt and prompt[0]["role"] == "system" else 0
+        return {"prompt": prompt[:head] + examples + prompt[head:]}
+
+    return dataset.map(insert)
+
+
 def check_chat_template(tokenizer, system_prompt: str | None = SYSTEM_PROMPT) -> str:
     """Renders one prompt and refuses a template that opens a `<think>` block in it.
 

@@ -4,6 +4,7 @@ embedded tiny model. The trainer's fields are in `GroupRelativeConfig`, the mode
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -68,6 +69,27 @@ class MathScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["math_accuracy", "format"],
         metadata={"help": "Reward functions: registry names or dotted paths."},
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Tools the model may call (multi-turn rollouts and evaluation): run_python, "
+            "or import paths (my_pkg.tools:search)."
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "A chat template with a tool format, in place of the model's: a template "
+            "of TRL (qwen2_5, llama3_2, ...: the names in trl/chat_templates) or a .jinja file."
+        },
+    )
+    prompt_examples: str | None = field(
+        default=None,
+        metadata={
+            "help": "Messages put between the system prompt and each question, such as a worked "
+            "example with a tool call: a JSON list of messages, or a .json file holding one."
+        },
     )
     eval_max_new_tokens: int | None = field(
         default=None, metadata={"help": "Token cap of evaluation; default max_completion_length."}
@@ -160,3 +182,73 @@ def resolve_model_path(script_args, model_args, training_args) -> str:
         folder = os.path.join(script_args.tiny_cache_dir, "..", "gguf", script_args.gguf_file)
         return gguf_to_folder(os.path.join(name, script_args.gguf_file), os.path.normpath(folder))
     return name
+
+
+# Tools known by name in `tools:`; anything else is an import path.
+BUILT_IN_TOOLS = {"run_python": "trl_grpo_ext.tools:run_python"}
+
+
+def load_tools(specs: list[str]) -> list:
+    """The tool functions named by `tools:` (`run_python`, or import paths)."""
+    from .rewards.registry import _import_object
+
+    tools = []
+    for spec in specs:
+        path = BUILT_IN_TOOLS.get(spec, spec)
+        if "." not in path and ":" not in path:
+            raise ValueError(
+                f"Unknown tool {spec!r}: the built-in tools are {sorted(BUILT_IN_TOOLS)}; for "
+                "another, give its import path, such as 'my_pkg.tools:search'."
+            )
+        tool = _import_object(path)
+        if not callable(tool):
+            raise TypeError(f"The tool {spec!r} is {tool!r}, which is not callable.")
+        tools.append(tool)
+    return tools
+
+
+def load_chat_template(spec: str) -> str:
+    """The text of `chat_template:`: a .jinja file, or one of TRL's templates by name."""
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as file:
+            return file.read()
+    import trl
+
+    folder = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+    path = os.path.join(folder, f"{spec}.jinja")
+    if os.path.sep in spec or not os.path.isfile(path):
+        names = sorted(
+            name[: -len(".jinja")]
+            for name in os.listdir(folder)
+            if name.endswith(".jinja") and not name.endswith("_training.jinja")
+        )
+        raise ValueError(
+            f"chat_template {spec!r} is neither a file nor a template of TRL {trl.__version__}; "
+            f"TRL's are: {', '.join(names)}."
+        )
+    with open(path, encoding="utf-8") as file:
+        return file.read()
+
+
+def load_messages(spec: str) -> list[dict]:
+    """The messages of `prompt_examples:`: a JSON list of `{"role": ...}` messages, or a .json
+    file holding one."""
+    text = spec
+    if not spec.lstrip().startswith("[") and os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as file:
+            text = file.read()
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"prompt_examples must be a JSON list of messages or a .json file holding one; "
+            f"reading {spec[:80]!r} failed: {error}"
+        ) from None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m for m in messages
+    ):
+        raise ValueError(
+            'prompt_examples must be a list of messages, each a {"role": ..., "content": ...} '
+            f"(an assistant's may have tool_calls); got {text[:80]!r}."
+        )
+    return messages
