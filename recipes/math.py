@@ -49,6 +49,7 @@ from trl_grpo_ext.evaluation import (
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
     MathScriptArguments,
+    apply_tool_format,
     load_chat_template,
     load_messages,
     load_tools,
@@ -106,6 +107,8 @@ def main(script_args, training_args, model_args):
     if script_args.chat_template:
         tokenizer.chat_template = load_chat_template(script_args.chat_template)
     tools = load_tools(script_args.tools)
+    if script_args.tool_format:
+        apply_tool_format(tokenizer, script_args.tool_format, tools)
     check_chat_template(tokenizer, script_args.system_prompt or None)
     quantization_config = get_quantization_config(model_args)
     model = AutoModelForCausalLM.from_pretrained(

@@ -84,6 +84,14 @@ class MathScriptArguments:
             "of TRL (qwen2_5, llama3_2, ...: the names in trl/chat_templates) or a .jinja file."
         },
     )
+    tool_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "code_blocks: the first tool is called by writing a ```python block, whose "
+            "output comes back in an ```output block (`tools.code_block_format`; ChatML "
+            "models, such as SmolLM2, whose template has no tool format)."
+        },
+    )
     prompt_examples: str | None = field(
         default=None,
         metadata={
@@ -252,3 +260,23 @@ def load_messages(spec: str) -> list[dict]:
             f"(an assistant's may have tool_calls); got {text[:80]!r}."
         )
     return messages
+
+
+def apply_tool_format(tokenizer, name: str, tools: list) -> None:
+    """`tool_format:` on the tokenizer: `code_blocks` (`tools.code_block_format`), calls of the
+    first tool, which must take one string argument (`run_python(code)`)."""
+    import inspect
+
+    from .tools import code_block_format
+
+    if name != "code_blocks":
+        raise ValueError(f"tool_format {name!r} is unknown; the one there is: code_blocks.")
+    if not tools:
+        raise ValueError("tool_format: code_blocks needs a tool to call, e.g. tools: [run_python].")
+    parameters = list(inspect.signature(tools[0]).parameters)
+    if len(parameters) != 1:
+        raise ValueError(
+            f"tool_format: code_blocks calls {tools[0].__name__} with the code as its one "
+            f"argument; it takes {parameters}."
+        )
+    code_block_format(tokenizer, tool=tools[0].__name__, argument=parameters[0])

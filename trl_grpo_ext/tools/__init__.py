@@ -6,6 +6,8 @@
   methods as tools, `get_reward()` as reward functions.
 - `run_python`, `PythonSandbox`: a tool that runs model-written Python in a sandbox (Linux
   namespaces, resource limits) and returns its output.
+- `code_block_format`: the tool format of tool-integrated reasoning (calls written as Markdown
+  code blocks) for a ChatML model whose template has no tool format.
 - `ToolRunner`: runs the tool calls of a batch concurrently, each under a timeout; a failure is
   an `{"error": ...}` result for the model; `tool_message` and `tool_metrics` as TRL makes them.
 
@@ -22,6 +24,7 @@ from .environments import (
     environment_prompt,
     tool_method_names,
 )
+from .formats import code_block_format
 from .functions import ToolSet, as_toolset, is_async_callable
 from .python import PythonSandbox, run_python
 from .results import ToolResult, error_result, tool_counts, tool_message, tool_metrics
@@ -39,6 +42,7 @@ __all__ = [
     "ToolSet",
     "append_observation",
     "as_toolset",
+    "code_block_format",
     "environment_prompt",
     "error_result",
     "is_async_callable",
