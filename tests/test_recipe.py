@@ -15,6 +15,8 @@ from dataclasses import fields
 import pytest
 import torch
 import yaml
+from agent_helpers import needs_trl_1_16
+from datasets import Dataset
 from trl import ModelConfig, TrlParser
 
 from trl_grpo_ext import GroupRelativeConfig
@@ -460,3 +462,55 @@ def test_smollm2_cpu_preset_runs_end_to_end(tmp_path):
         assert (output_dir / name).exists(), name
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in (output_dir / "README.md").read_text()
     assert "| problems | 4 | 4 |" in (output_dir / "before_after.md").read_text()
+
+
+# ----------------------------------------------------------------------- tools
+
+
+@needs_trl_1_16  # TRL's chat templates by name
+def test_tool_arguments_resolve_names_files_and_examples_and_refuse_what_is_wrong(tmp_path):
+    from trl_grpo_ext.data import with_examples
+    from trl_grpo_ext.script_args import (
+        apply_tool_format,
+        load_chat_template,
+        load_messages,
+        load_tools,
+    )
+    from trl_grpo_ext.tiny import build_tiny_tokenizer
+    from trl_grpo_ext.tools import run_python
+
+    assert load_tools(["run_python", "trl_grpo_ext.tools:run_python"]) == [run_python] * 2
+    with pytest.raises(ValueError, match="built-in tools are \\['run_python'\\].*import path"):
+        load_tools(["python"])
+
+    assert "<tool_call>" in load_chat_template("qwen2_5")
+    template = tmp_path / "mine.jinja"
+    template.write_text("{{ messages }}")
+    assert load_chat_template(str(template)) == "{{ messages }}"
+    with pytest.raises(ValueError, match="neither a file nor a template of TRL.*qwen2_5"):
+        load_chat_template("qwen9")
+
+    example = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    assert load_messages(json.dumps(example)) == example
+    path = tmp_path / "example.json"
+    path.write_text(json.dumps(example))
+    assert load_messages(str(path)) == example
+    for bad in ("[{'role': 'user'}]", '{"role": "user"}', '["hi"]'):
+        with pytest.raises(ValueError, match="prompt_examples"):
+            load_messages(bad)
+
+    rows = Dataset.from_list(
+        [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]}]
+    )
+    prompt = with_examples(rows, example)[0]["prompt"]
+    assert [m["content"] for m in prompt] == ["Be brief.", "1 + 1?", "2", "Q"]
+
+    tokenizer = build_tiny_tokenizer()
+    apply_tool_format(tokenizer, "code_blocks", [run_python])
+    assert "```output" in tokenizer.chat_template
+    with pytest.raises(ValueError, match="needs a tool to call"):
+        apply_tool_format(tokenizer, "code_blocks", [])
+    with pytest.raises(ValueError, match="one argument"):
+        apply_tool_format(tokenizer, "code_blocks", [lambda a, b: a])
+    with pytest.raises(ValueError, match="unknown"):
+        apply_tool_format(tokenizer, "json_blocks", [run_python])
