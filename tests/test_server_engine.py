@@ -247,6 +247,25 @@ def test_start_up_waits_for_the_timeout(stand_in):
         engine_for(stand_in, timeout=1.0).wait_until_ready()
 
 
+def test_close_unloads_the_latest_adapter_and_gives_up_on_a_server_that_is_down(stand_in, tmp_path):
+    """`trainer.rollouts.shutdown()` closes the engine: it had no `close` (an AttributeError)."""
+    engine = engine_for(stand_in)
+    engine.close()  # nothing published: nothing to unload
+    assert not [path for path, _ in stand_in.requests if "lora" in path]
+    engine.publish_adapter(tmp_path, 0)
+    engine.publish_adapter(tmp_path, 1)
+    assert set(stand_in.adapters) == {"adapter-v1"}
+    engine.close()
+    assert stand_in.adapters == {} and engine.adapter_name is None
+    engine.publish_adapter(tmp_path, 2)
+    stand_in.stop()  # down: closing after a failed run does not wait `timeout` for it
+    down = engine_for(stand_in, timeout=30.0)
+    down.adapter_name = "adapter-v2"
+    started = time.monotonic()
+    down.close()
+    assert time.monotonic() - started < 10  # a hang would be 30 s of retries
+
+
 # ---------------------------------------------------------- the asynchronous worker
 
 

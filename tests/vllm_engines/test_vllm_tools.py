@@ -1,7 +1,9 @@
-"""Multi-turn rollouts through a real colocated vLLM engine: a tiny model overfit to call `add`
-twice and then answer samples three turns with vLLM, and the tokens trained on are exactly the
-tokens vLLM sampled, with the rendered tool results between them (token-in, token-out); vLLM's
-log-probs of its tokens are the behaviour log-probs, 0 on the results'."""
+"""Multi-turn rollouts through real vLLM engines: a tiny model overfit to call `add` twice and
+then answer samples three turns with vLLM, colocated or on a server, synchronously or ahead of
+the trainer (`max_staleness`), and the tokens trained on are exactly the tokens vLLM sampled, with
+the rendered tool results between them (token-in, token-out); vLLM's log-probs of its tokens are
+the behaviour log-probs, 0 on the results'. A server killed in the middle of a rollout ends the
+run with an error that names it."""
 
 import pytest
 
@@ -16,10 +18,15 @@ from agent_helpers import (  # noqa: E402
 )
 from datasets import Dataset  # noqa: E402
 from test_vllm_training import vllm_trainer  # noqa: E402
+from trainer_helpers import logged  # noqa: E402
+from vllm_helpers import RestartableServer, stop_server  # noqa: E402
 
 from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine  # noqa: E402
+from trl_grpo_ext.generation.vllm_server import VLLMServerEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+
+MAX_MODEL_LEN = 1152  # the prompt (743 tokens) and the whole conversation
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +39,25 @@ def tool_model_dir(tmp_path_factory):
     return str(folder)
 
 
-def test_three_turns_sampled_by_colocated_vllm_are_the_tokens_trained_on(tool_model_dir, tmp_path):
-    """Full fine-tuning: vLLM samples with the trainer's weights, loaded from the folder."""
-    trainer = vllm_trainer(
-        tool_model_dir,
-        tmp_path,
-        vllm_mode="colocate",
-        peft=False,
+@pytest.fixture(scope="module")
+def tool_server(tool_model_dir, tmp_path_factory):
+    """A real vLLM server on the tool-calling model, started as the docs say, shared by the
+    tests of this module; a test that kills it leaves it to the next one to start again
+    (`RestartableServer.running`)."""
+    server = RestartableServer(
+        tool_model_dir, tmp_path_factory.mktemp("tool-server"), max_model_len=MAX_MODEL_LEN
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            stop_server(server.process)
+
+
+def tool_trainer(model_dir, output_dir, **config):
+    """A trainer whose rollouts are the fixed conversation: one prompt, two rollouts."""
+    settings = dict(
         tools=[add],
         reward_funcs=message_count,
         dataset=Dataset.from_list([{"prompt": TOOL_PROMPT}]),
@@ -46,12 +65,53 @@ def test_three_turns_sampled_by_colocated_vllm_are_the_tokens_trained_on(tool_mo
         per_device_train_batch_size=2,
         max_completion_length=320,
         max_prompt_length=None,  # the tool's schema is long in bytes
-        vllm_max_model_length=1152,  # the prompt (743 tokens) and the whole conversation
         temperature=0.1,  # near-greedy: the overfit model writes its conversation
         max_steps=1,
+    )
+    return vllm_trainer(model_dir, output_dir, **{**settings, **config})
+
+
+def test_three_turns_sampled_by_colocated_vllm_are_the_tokens_trained_on(tool_model_dir, tmp_path):
+    """Full fine-tuning: vLLM samples with the trainer's weights, loaded from the folder."""
+    trainer = tool_trainer(
+        tool_model_dir,
+        tmp_path,
+        vllm_mode="colocate",
+        peft=False,
+        vllm_max_model_length=MAX_MODEL_LEN,
     )
     try:
         assert isinstance(trainer.rollouts.engine, VLLMColocateEngine)
         assert_trained_on_sampled_turns(trainer, [trainer.train_dataset[0]], engine_logps=True)
+    finally:
+        trainer.rollouts.shutdown()
+
+
+def test_three_turns_sampled_by_a_vllm_server_ahead_of_the_trainer_are_the_tokens_trained_on(
+    tool_model_dir, tool_server, tmp_path
+):
+    """Under LoRA (the server loads each adapter version), with what a user of a server sets (no
+    `vllm_max_model_length`, a colocated engine's setting) and `max_staleness=1`. The check
+    samples in this process first (`generate_rollouts`, as the synchronous trainer does), then
+    through the rollout worker, which runs the tool loop on its thread; then two training steps,
+    the second one's batch generated while the first trained."""
+    trainer = tool_trainer(
+        tool_model_dir,
+        tmp_path,
+        vllm_mode="server",
+        vllm_server_base_url=tool_server.running().base_url,
+        vllm_max_model_length=None,
+        max_staleness=1,
+        max_steps=2,
+        dataset=Dataset.from_list([{"prompt": TOOL_PROMPT}] * 2),  # one epoch of two steps
+    )
+    try:
+        assert isinstance(trainer.rollouts.engine, VLLMServerEngine)
+        assert_trained_on_sampled_turns(trainer, [trainer.train_dataset[0]], engine_logps=True)
+        assert trainer.rollouts.pipeline is not None  # the second batch came from the worker
+        trainer.train()
+        assert logged(trainer, "async/staleness") == [0.0, 1.0]
+        assert logged(trainer, "tools/call_frequency") == [2.0, 2.0]
+        assert logged(trainer, "tools/failure_frequency") == [0.0, 0.0]
     finally:
         trainer.rollouts.shutdown()

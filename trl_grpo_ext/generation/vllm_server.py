@@ -54,6 +54,7 @@ from .vllm_sampling import (
 RETRIES_ON_SERVER_ERROR = 2  # HTTP 500: the server is up but failed; a bug rarely goes away
 UNAVAILABLE = (502, 503, 504)  # a proxy with no server behind it, or a server starting up
 PROBE_TEMPERATURE = 0.5
+CLOSE_TIMEOUT = 5.0  # seconds `close` waits for the server to unload the adapter
 
 
 class VLLMServerError(ConnectionError):
@@ -357,6 +358,25 @@ class VLLMServerEngine:
                 status=error.status,
             )
         return error
+
+    def close(self) -> None:
+        """Unloads the latest adapter version from the server, which keeps running for other
+        runs (its adapter folder is about to be deleted). One attempt, bounded by
+        `CLOSE_TIMEOUT`: a server that is down or was restarted has nothing to unload, and
+        closing after a failed run must not wait `timeout` seconds for it."""
+        name, self.adapter_name, self.adapter_version = self.adapter_name, None, None
+        if name is None:
+            return
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/unload_lora_adapter",
+            data=json.dumps({"lora_name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=CLOSE_TIMEOUT) as response:
+                response.read()
+        except (OSError, http.client.HTTPException):  # down, restarted, or already unloaded
+            pass
 
     def load_weights(self, named_tensors) -> None:
         """Full weights cannot reach an unmodified vLLM server."""
