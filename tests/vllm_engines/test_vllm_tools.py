@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 from agent_helpers import (  # noqa: E402
     TOOL_PROMPT,
+    TOOL_TURNS,
     add,
     assert_trained_on_sampled_turns,
     message_count,
@@ -53,6 +54,22 @@ def tool_server(tool_model_dir, tmp_path_factory):
     finally:
         if server.process is not None:
             stop_server(server.process)
+
+
+def padded_add(padding: int):
+    """`add` (the same name, schema and docstring, so the prompt is the one the model learnt)
+    returning its sum followed by `padding` letters: a long tool result."""
+
+    def add(a: int, b: int) -> int:
+        """Adds two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return f"{a + b}{'x' * padding}"
+
+    return add
 
 
 def tool_trainer(model_dir, output_dir, **config):
@@ -113,5 +130,38 @@ def test_three_turns_sampled_by_a_vllm_server_ahead_of_the_trainer_are_the_token
         assert logged(trainer, "async/staleness") == [0.0, 1.0]
         assert logged(trainer, "tools/call_frequency") == [2.0, 2.0]
         assert logged(trainer, "tools/failure_frequency") == [0.0, 0.0]
+    finally:
+        trainer.rollouts.shutdown()
+
+
+def test_a_tool_result_past_the_servers_max_model_len_ends_the_rollout_at_its_call(
+    tool_model_dir, tool_server, tmp_path
+):
+    """The server's `--max-model-len` (1152) bounds the conversation, not the model's 2048
+    positions: a result that would pass it ends the rollout at its call, as documented for
+    `vllm_max_model_length`; the server used to refuse the next turn's prompt (HTTP 400), which
+    failed the run."""
+    trainer = tool_trainer(
+        tool_model_dir,
+        tmp_path,
+        tools=[padded_add(400)],
+        vllm_mode="server",
+        vllm_server_base_url=tool_server.running().base_url,
+        vllm_max_model_length=None,
+        max_completion_length=700,  # room for the result: only the server's limit stops it
+    )
+    try:
+        assert trainer.rollouts.tool_loop.max_model_len == MAX_MODEL_LEN
+        rollout = trainer.generate_rollouts([trainer.train_dataset[0]])
+        assert rollout.tool_calls.tolist() == [1, 1]  # the call ran
+        first_turn = trainer.processing_class.decode(
+            rollout.completion_ids[0][rollout.completion_mask[0].bool()]
+        )
+        assert first_turn == TOOL_TURNS[0] + "<|im_end|>"
+        assert [[m["role"] for m in messages] for messages in rollout.completions] == [
+            ["assistant"],
+            ["assistant"],
+        ]  # its result dropped
+        assert not rollout.is_truncated.any()  # the rollout ended with its call's end of turn
     finally:
         trainer.rollouts.shutdown()

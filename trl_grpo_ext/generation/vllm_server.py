@@ -113,6 +113,7 @@ class VLLMServerEngine:
         self.adapter_version = None
         self._adapter_dir = None  # its folder, to load it again into a restarted server
         self._served = None  # (name, root) of the base model the server served first
+        self._max_model_len = None
         self._logprobs_checked = False
         self._reload_lock = threading.Lock()
 
@@ -177,9 +178,22 @@ class VLLMServerEngine:
 
     def _base_model(self) -> tuple[str, str]:
         """`(name, root)` of the base model the server serves now."""
-        models = self._request("/v1/models")["data"]
-        base = next((entry for entry in models if not entry.get("parent")), models[0])
+        base = self._base_entry()
         return base["id"], base.get("root") or base["id"]
+
+    def _base_entry(self) -> dict:
+        """The base model's entry of the server's `/v1/models` (adapters have a `parent`)."""
+        models = self._request("/v1/models")["data"]
+        return next((entry for entry in models if not entry.get("parent")), models[0])
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt plus completion the server takes (its `--max-model-len`), as its
+        `/v1/models` reports it; None if it does not. Multi-turn rollouts end before a tool
+        result would pass it: the server refuses such a prompt (HTTP 400)."""
+        if self._max_model_len is None:
+            self._max_model_len = self._base_entry().get("max_model_len")
+        return self._max_model_len
 
     @property
     def model(self) -> str:
