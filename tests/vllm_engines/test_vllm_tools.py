@@ -5,6 +5,8 @@ the rendered tool results between them (token-in, token-out); vLLM's log-probs o
 the behaviour log-probs, 0 on the results'. A server killed in the middle of a rollout ends the
 run with an error that names it."""
 
+import threading
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -23,7 +25,7 @@ from trainer_helpers import logged  # noqa: E402
 from vllm_helpers import RestartableServer, stop_server  # noqa: E402
 
 from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine  # noqa: E402
-from trl_grpo_ext.generation.vllm_server import VLLMServerEngine  # noqa: E402
+from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -163,5 +165,55 @@ def test_a_tool_result_past_the_servers_max_model_len_ends_the_rollout_at_its_ca
             ["assistant"],
         ]  # its result dropped
         assert not rollout.is_truncated.any()  # the rollout ended with its call's end of turn
+    finally:
+        trainer.rollouts.shutdown()
+
+
+def test_a_server_killed_mid_rollout_fails_the_run_naming_it(tool_model_dir, tool_server, tmp_path):
+    """Killed after the first turn of the first batch, while the rollout worker runs the tool
+    loop on its thread (`max_staleness=1`): the error reaches `train()` once the server has not
+    answered for `vllm_server_timeout` seconds, and the worker stops; no hang. Last in the
+    module: the server stays down (a later test would start it again)."""
+    server = tool_server.running()
+    trainer = tool_trainer(
+        tool_model_dir,
+        tmp_path,
+        vllm_mode="server",
+        vllm_server_base_url=server.base_url,
+        vllm_server_timeout=2,
+        vllm_max_model_length=None,
+        max_staleness=1,
+        max_steps=2,
+        dataset=Dataset.from_list([{"prompt": TOOL_PROMPT}] * 2),
+    )
+    engine, threads = trainer.rollouts.engine, []
+    generate = engine.generate
+
+    def killing_the_server(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 2:  # the second turn
+            server.kill()
+        return generate(*args, **kwargs)
+
+    engine.generate = killing_the_server
+    errors = []
+
+    def train():
+        try:
+            trainer.train()
+        except Exception as error:  # noqa: BLE001 - checked below
+            errors.append(error)
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # a hang, not a speed bound: the engine gives up after 2 s
+    assert not worker.is_alive(), "train() neither failed nor finished"
+    try:
+        assert threads[1].startswith("rollouts")  # killed under the worker's tool loop
+        assert len(errors) == 1 and isinstance(errors[0], VLLMServerError), errors
+        assert server.base_url in str(errors[0])
+        assert "did not answer for 2 s (vllm_server_timeout" in str(errors[0])
+        assert trainer.state.global_step == 0
+        assert trainer.rollouts.pipeline is None  # train() stopped the worker
     finally:
         trainer.rollouts.shutdown()
