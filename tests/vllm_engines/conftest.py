@@ -13,13 +13,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
-    RestartableServer,
-    free_port,
-    start_server,
+    SERVER_MAX_MODEL_LEN,
+    kill_server,
     stop_server,
 )
 
@@ -75,13 +80,61 @@ def colocate_engine(vllm_model_dir):
     return engine
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(
+    model_dir,
+    port: int,
+    log,
+    as_documented: bool = True,
+    max_lora_rank: int = MAX_LORA_RANK,
+    max_model_len: int = 512,
+) -> subprocess.Popen:
+    """Starts a real, unmodified vLLM server for `model_dir` on `port`, writing to the open file
+    `log`; returns once `/health` answers. `as_documented`: LoRA enabled, runtime adapter updates
+    allowed, processed log-probs; else vLLM's defaults (none of these)."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--generation-config", "vllm",
+    ]  # fmt: skip
+    if as_documented:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        command += ["--logprobs-mode", "processed_logprobs", "--enable-lora"]
+        command += ["--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
+    # A session of its own: the server's engine and worker processes are stopped with it.
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited; see {log.name}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return process
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_server(process)
+                raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
+            time.sleep(1)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir, tmp_path_factory):
     """A real, unmodified vLLM server on a free local port, started as the docs say, shared by
-    every test of the session (no test may stop it); yields `(base_url, process)`."""
+    every test of the session (no test may stop it); yields `(base_url, process)`. Its context
+    holds test_vllm_tools.py's conversation (a 743-token prompt with the tool's schema)."""
     port = free_port()
     with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
-        process = start_server(vllm_model_dir, port, log)
+        process = start_server(vllm_model_dir, port, log, max_model_len=SERVER_MAX_MODEL_LEN)
         try:
             yield f"http://127.0.0.1:{port}", process
         finally:
@@ -106,6 +159,24 @@ def other_model_server(tmp_path_factory):
             yield f"http://127.0.0.1:{port}"
         finally:
             stop_server(process)
+
+
+class RestartableServer:
+    """A vLLM server on a fixed port that a test may kill and start again."""
+
+    def __init__(self, model_dir, log_dir):
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.process, self.starts = None, 0
+
+    def start(self):
+        self.starts += 1
+        with open(self.log_dir / f"server-{self.starts}.log", "w") as log:
+            self.process = start_server(self.model_dir, self.port, log)
+
+    def kill(self):
+        kill_server(self.process)
 
 
 @pytest.fixture

@@ -1,15 +1,10 @@
 """Checks shared by the colocated and server engine tests: each takes an engine and compares
-it with `transformers` on the same model and tokens. Below them, how the tests start, stop and
-kill real vLLM servers."""
+it with `transformers` on the same model and tokens."""
 
 import copy
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import torch
 
@@ -19,6 +14,8 @@ from trl_grpo_ext.generation.transformers_engine import generate_with_transforme
 from trl_grpo_ext.logprobs import completion_logprobs
 
 MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
+# The session server's --max-model-len: room for test_vllm_tools.py's conversation.
+SERVER_MAX_MODEL_LEN = 1152
 
 
 def config(tokenizer, **settings):
@@ -143,75 +140,3 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
         os.killpg(process.pid, signum)
     except ProcessLookupError:  # the whole group has exited
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(
-    model_dir,
-    port: int,
-    log,
-    as_documented: bool = True,
-    max_lora_rank: int = MAX_LORA_RANK,
-    max_model_len: int = 512,
-) -> subprocess.Popen:
-    """Starts a real, unmodified vLLM server for `model_dir` on `port`, writing to the open file
-    `log`; returns once `/health` answers. `as_documented`: LoRA enabled, runtime adapter updates
-    allowed, processed log-probs; else vLLM's defaults (none of these)."""
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--generation-config", "vllm",
-    ]  # fmt: skip
-    if as_documented:
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        command += ["--logprobs-mode", "processed_logprobs", "--enable-lora"]
-        command += ["--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
-    # A session of its own: the server's engine and worker processes are stopped with it.
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    deadline = time.monotonic() + 240
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited; see {log.name}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            return process
-        except OSError:
-            if time.monotonic() > deadline:
-                stop_server(process)
-                raise RuntimeError(f"the vLLM server did not start; see {log.name}") from None
-            time.sleep(1)
-
-
-class RestartableServer:
-    """A vLLM server on a fixed port that a test may kill and start again; `options` go to
-    `start_server`."""
-
-    def __init__(self, model_dir, log_dir, **options):
-        self.model_dir, self.log_dir, self.options = model_dir, log_dir, options
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.process, self.starts = None, 0
-
-    def start(self):
-        self.starts += 1
-        with open(self.log_dir / f"server-{self.starts}.log", "w") as log:
-            self.process = start_server(self.model_dir, self.port, log, **self.options)
-
-    def running(self) -> "RestartableServer":
-        """The server, started again first if a test killed it."""
-        if self.process is None or self.process.poll() is not None:
-            self.start()
-        return self
-
-    def kill(self):
-        kill_server(self.process)
