@@ -167,6 +167,24 @@ def tool_calling_model(steps: int = 100):
     return model, tokenizer
 
 
+def tool_calling_adapter(model, steps: int = 100, learning_rate: float = 1e-2):
+    """`model` with a LoRA adapter (rank 8, every linear layer) overfit to the fixed
+    conversation, as a `PeftModel` whose adapter is trainable: a vLLM server serving `model`
+    samples the conversation once the trainer has published this adapter. Fails when the last
+    loss is not near 0."""
+    from peft import get_peft_model
+    from trainer_helpers import lora_config
+
+    peft_model = get_peft_model(model, lora_config(r=8))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        loss = overfit_on_tool_conversation(
+            peft_model, qwen3_tokenizer(), [add], steps=steps, learning_rate=learning_rate
+        )
+    assert loss < 0.05, f"the adapter did not learn the conversation (loss {loss:.3f})"
+    return peft_model
+
+
 def record_generations(engine, eos_token_ids: list[int]) -> list[dict]:
     """Wraps `engine.generate` (on the instance) to record each call's contexts (the prompts
     without padding) and what it sampled: per row, its tokens up to and including the first of

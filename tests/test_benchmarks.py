@@ -98,3 +98,35 @@ def test_tools_benchmark_times_both_trainers_on_the_same_scripted_turns(capsys):
     assert set(report[4]) == {"ours", "ours_8", "trl"}
     assert all(seconds > 0 for seconds in report[4].values())
     assert "| 4 |" in capsys.readouterr().out
+
+
+def test_overlap_and_hidden_tool_time():
+    latency = load("tool_latency")
+    assert latency.overlap([(0.0, 2.0), (5.0, 6.0)], [(1.0, 5.5)]) == pytest.approx(1.5)
+    assert latency.overlap([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
+    step = {"seconds": 2.0, "wait": 0.5, "reward": 1.0}
+    run = {"steps": [step, step], "warmup_steps": 1, "tool_seconds": 0.4}
+    # the trainer waited through a quarter of the tool rounds: three quarters were hidden
+    summary = latency.summarise([{**run, "tool_seconds_waited": 0.1}])
+    assert summary["hidden"] == pytest.approx(0.75)
+    assert summary["train"] == pytest.approx(1.5) and summary["measured_steps"] == 1
+
+
+@pytest.mark.skipif(Version(trl.__version__) < Version("1.16"), reason="tools need trl>=1.16")
+def test_tool_latency_benchmark_trains_sync_and_async_on_a_model_that_calls_the_tool(
+    tmp_path, capsys
+):
+    """The smallest run: a 64-wide model overfit to call the tool, one warm-up and one measured
+    step per mode, in this process."""
+    arguments = ["--modes", "sync", "k=1", "--steps", "1", "--repeats", "1", "--in-process"]
+    arguments += ["--hidden-size", "64", "--overfit-learning-rate", "3e-3", "--temperature", "0.1"]
+    arguments += ["--num-prompts", "1", "--num-generations", "2", "--tool-seconds", "0.01"]
+    report = load("tool_latency").main([*arguments, "--cache", str(tmp_path)])
+    assert set(report) == {"sync", "k=1"}
+    sync = load("tool_latency").summarise(report["sync"])
+    assert sync["tool_calls"] > 0  # the model calls the tool
+    assert sync["hidden"] == pytest.approx(0.0)  # synchronous: every tool round is waited for
+    for runs in report.values():
+        (run,) = runs
+        assert len(run["steps"]) == 2 and all(0 <= s["reward"] <= 1 for s in run["steps"])
+    assert "| k=1 |" in capsys.readouterr().out

@@ -11,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from agent_helpers import add, needs_trl_1_16
+from test_agents import tool_trainer
 
 from trl_grpo_ext.generation import sampling_config
 from trl_grpo_ext.generation.async_rollout import RolloutPipeline
@@ -38,6 +40,7 @@ class StandIn(ThreadingHTTPServer):
     def __init__(self, processed=True, root="/models/tiny"):
         super().__init__(("127.0.0.1", 0), Handler)
         self.processed, self.root = processed, root
+        self.max_model_len = 512  # the server's --max-model-len
         self.adapters, self.fail, self.delay, self.requests = {}, {}, 0.0, []
         self.released = threading.Event()
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -80,7 +83,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._send(200, "")
         if self.path == "/v1/models":
-            base = [{"id": server.root, "root": server.root, "parent": None}]
+            base = [{"id": server.root, "root": server.root, "parent": None,
+                     "max_model_len": server.max_model_len}]  # fmt: skip
             adapters = [{"id": name, "root": path, "parent": server.root}
                         for name, path in server.adapters.items()]  # fmt: skip
             return self._send(200, {"data": base + adapters})
@@ -245,6 +249,46 @@ def test_start_up_waits_for_the_timeout(stand_in):
     stand_in.fail["/health"] = [503] * 1000
     with pytest.raises(VLLMServerError, match=r"not up after 1 s \(vllm_server_timeout\)"):
         engine_for(stand_in, timeout=1.0).wait_until_ready()
+
+
+def test_close_unloads_the_latest_adapter_and_gives_up_on_a_server_that_is_down(stand_in, tmp_path):
+    """`trainer.rollouts.shutdown()` closes the engine: it had no `close` (an AttributeError)."""
+    engine = engine_for(stand_in)
+    engine.close()  # nothing published: nothing to unload
+    assert not [path for path, _ in stand_in.requests if "lora" in path]
+    engine.publish_adapter(tmp_path, 0)
+    engine.publish_adapter(tmp_path, 1)
+    assert set(stand_in.adapters) == {"adapter-v1"}
+    engine.close()
+    assert stand_in.adapters == {} and engine.adapter_name is None
+    engine.publish_adapter(tmp_path, 2)
+    stand_in.stop()  # down: closing after a failed run does not wait `timeout` for it
+    down = engine_for(stand_in, timeout=30.0)
+    down.adapter_name = "adapter-v2"
+    started = time.monotonic()
+    down.close()
+    assert time.monotonic() - started < 10  # a hang would be 30 s of retries
+
+
+@needs_trl_1_16
+@pytest.mark.parametrize(("vllm_max_model_length", "expected"), [(None, 300), (200, 200)])
+def test_tool_results_that_would_pass_the_servers_max_model_len_end_the_rollout(
+    stand_in, tmp_path, vllm_max_model_length, expected
+):
+    """The tool loop used the model's 2048 positions: the server refused (HTTP 400) the next
+    turn of a conversation longer than its --max-model-len, failing the run. The smaller of the
+    server's limit and vllm_max_model_length counts."""
+    stand_in.max_model_len = 300
+    trainer = tool_trainer(
+        tmp_path,
+        tools=[add],
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=stand_in.url,
+        vllm_max_model_length=vllm_max_model_length,
+    )
+    assert trainer.rollouts.engine.max_model_len == 300
+    assert trainer.rollouts.tool_loop.max_model_len == expected
 
 
 # ---------------------------------------------------------- the asynchronous worker

@@ -21,7 +21,12 @@ import urllib.request  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from vllm_helpers import MAX_LORA_RANK, kill_server, stop_server  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    MAX_LORA_RANK,
+    SERVER_MAX_MODEL_LEN,
+    kill_server,
+    stop_server,
+)
 
 from trl_grpo_ext.tiny import save_tiny  # noqa: E402
 
@@ -82,7 +87,12 @@ def free_port() -> int:
 
 
 def start_server(
-    model_dir, port: int, log, as_documented: bool = True, max_lora_rank: int = MAX_LORA_RANK
+    model_dir,
+    port: int,
+    log,
+    as_documented: bool = True,
+    max_lora_rank: int = MAX_LORA_RANK,
+    max_model_len: int = 512,
 ) -> subprocess.Popen:
     """Starts a real, unmodified vLLM server for `model_dir` on `port`, writing to the open file
     `log`; returns once `/health` answers. `as_documented`: LoRA enabled, runtime adapter updates
@@ -92,7 +102,7 @@ def start_server(
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
         "--generation-config", "vllm",
     ]  # fmt: skip
     if as_documented:
@@ -120,10 +130,11 @@ def start_server(
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir, tmp_path_factory):
     """A real, unmodified vLLM server on a free local port, started as the docs say, shared by
-    every test of the session (no test may stop it); yields `(base_url, process)`."""
+    every test of the session (no test may stop it); yields `(base_url, process)`. Its context
+    holds test_vllm_tools.py's conversation (a 743-token prompt with the tool's schema)."""
     port = free_port()
     with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
-        process = start_server(vllm_model_dir, port, log)
+        process = start_server(vllm_model_dir, port, log, max_model_len=SERVER_MAX_MODEL_LEN)
         try:
             yield f"http://127.0.0.1:{port}", process
         finally:

@@ -14,6 +14,8 @@ from trl_grpo_ext.generation.transformers_engine import generate_with_transforme
 from trl_grpo_ext.logprobs import completion_logprobs
 
 MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
+# The session server's --max-model-len: room for test_vllm_tools.py's conversation.
+SERVER_MAX_MODEL_LEN = 1152
 
 
 def config(tokenizer, **settings):

@@ -84,19 +84,10 @@ class RolloutProducer:
         self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
         self.policy, self.model = policy, model
         self.agent, self.tool_loop = agent, None
-        chat_template = None
+        format = chat_template = None
         if agent is not None:
             format = ToolCallFormat(tokenizer, args.chat_template_kwargs)
             chat_template = format.chat_template
-            self.tool_loop = ToolLoop(
-                format,
-                agent.runner,
-                eos_token_ids=eos_token_ids,
-                pad_token_id=tokenizer.pad_token_id,
-                max_completion_length=args.max_completion_length,
-                max_model_len=_max_model_len(args, model()),
-                max_iterations=args.max_tool_calling_iterations,
-            )
         self.encoder = PromptEncoder(
             tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template
         )
@@ -109,6 +100,16 @@ class RolloutProducer:
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
         self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        if format is not None:
+            self.tool_loop = ToolLoop(
+                format,
+                agent.runner,
+                eos_token_ids=eos_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                max_completion_length=args.max_completion_length,
+                max_model_len=_max_model_len(args, model(), self.engine),
+                max_iterations=args.max_tool_calling_iterations,
+            )
         if isinstance(self.engine, TransformersEngine):
             self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
         self.publisher: WeightPublisher | None = None
@@ -480,11 +481,16 @@ def _columns(rows: list[dict], group: int) -> dict[str, list]:
     }
 
 
-def _max_model_len(args, model) -> int:
-    """The longest sequence the engine takes: vLLM's `max_model_len` when set, else the model's
-    position limit."""
-    if args.use_vllm and args.vllm_max_model_length:
-        return args.vllm_max_model_length
+def _max_model_len(args, model, engine) -> int:
+    """The longest sequence the engine takes: the smaller of a vLLM server's own
+    `--max-model-len` (which the trainer's settings cannot change) and `vllm_max_model_length`
+    when either is known, else the model's position limit."""
+    limits = [getattr(engine, "max_model_len", None)]
+    if args.use_vllm:
+        limits.append(args.vllm_max_model_length)
+    limits = [limit for limit in limits if limit]
+    if limits:
+        return min(limits)
     config = getattr(model.config, "text_config", None) or model.config
     return getattr(config, "max_position_embeddings", None) or 2**31
 

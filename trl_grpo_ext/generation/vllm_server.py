@@ -54,6 +54,7 @@ from .vllm_sampling import (
 RETRIES_ON_SERVER_ERROR = 2  # HTTP 500: the server is up but failed; a bug rarely goes away
 UNAVAILABLE = (502, 503, 504)  # a proxy with no server behind it, or a server starting up
 PROBE_TEMPERATURE = 0.5
+CLOSE_TIMEOUT = 5.0  # seconds `close` waits for the server to unload the adapter
 
 
 class VLLMServerError(ConnectionError):
@@ -112,6 +113,7 @@ class VLLMServerEngine:
         self.adapter_version = None
         self._adapter_dir = None  # its folder, to load it again into a restarted server
         self._served = None  # (name, root) of the base model the server served first
+        self._max_model_len = None
         self._logprobs_checked = False
         self._reload_lock = threading.Lock()
 
@@ -176,9 +178,22 @@ class VLLMServerEngine:
 
     def _base_model(self) -> tuple[str, str]:
         """`(name, root)` of the base model the server serves now."""
-        models = self._request("/v1/models")["data"]
-        base = next((entry for entry in models if not entry.get("parent")), models[0])
+        base = self._base_entry()
         return base["id"], base.get("root") or base["id"]
+
+    def _base_entry(self) -> dict:
+        """The base model's entry of the server's `/v1/models` (adapters have a `parent`)."""
+        models = self._request("/v1/models")["data"]
+        return next((entry for entry in models if not entry.get("parent")), models[0])
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt plus completion the server takes (its `--max-model-len`), as its
+        `/v1/models` reports it; None if it does not. Multi-turn rollouts end before a tool
+        result would pass it: the server refuses such a prompt (HTTP 400)."""
+        if self._max_model_len is None:
+            self._max_model_len = self._base_entry().get("max_model_len")
+        return self._max_model_len
 
     @property
     def model(self) -> str:
@@ -357,6 +372,25 @@ class VLLMServerEngine:
                 status=error.status,
             )
         return error
+
+    def close(self) -> None:
+        """Unloads the latest adapter version from the server, which keeps running for other
+        runs (its adapter folder is about to be deleted). One attempt, bounded by
+        `CLOSE_TIMEOUT`: a server that is down or was restarted has nothing to unload, and
+        closing after a failed run must not wait `timeout` seconds for it."""
+        name, self.adapter_name, self.adapter_version = self.adapter_name, None, None
+        if name is None:
+            return
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/unload_lora_adapter",
+            data=json.dumps({"lora_name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=CLOSE_TIMEOUT) as response:
+                response.read()
+        except (OSError, http.client.HTTPException):  # down, restarted, or already unloaded
+            pass
 
     def load_weights(self, named_tensors) -> None:
         """Full weights cannot reach an unmodified vLLM server."""
