@@ -136,6 +136,57 @@ def test_a_result_past_the_budget_ends_the_rollout_at_its_call_and_the_last_turn
     assert len(result.completion_ids[0]) == budget
 
 
+class RefusesEmptyTurns(ScriptedEngine):
+    """A scripted engine that, like transformers' `generate` and vLLM, refuses to sample 0 new
+    tokens."""
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+        if generation_config.max_new_tokens is not None and generation_config.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be > 0, got {generation_config.max_new_tokens}")
+        return super().generate(prompt_ids, prompt_mask, generation_config, seed)
+
+
+def test_results_that_fill_the_budget_exactly_end_the_rollout_after_them(runner):
+    """No room is left for another turn: the results are kept and the rollout ends, truncated,
+    as in TRL (whose next turn is cut to nothing); the engine is not asked for 0 tokens."""
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([add])
+    first = encode(tokenizer, call("add", a=2, b=3))
+    longer = encode(tokenizer, call("add", a=20, b=30))
+    suffix = ToolCallFormat(tokenizer).result_ids([{"role": "tool", "name": "add", "content": "5"}])
+    answer = encode(tokenizer, "It is 5.")
+    budget = len(first) + len(suffix)
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools, count=2)
+    config = GenerationConfig(max_new_tokens=512)
+
+    # every rollout's results fill the budget: no second turn is sampled
+    engine = RefusesEmptyTurns([first])
+    result = loop(tokenizer, runner, max_completion_length=budget).run(
+        engine, config, None, prompt_ids[:1], prompt_mask[:1], [tools]
+    )
+    assert len(engine.prompts) == 1
+    assert result.completion_ids == [first + suffix]
+    assert result.tool_mask == [[1] * len(first) + [0] * len(suffix)]
+    assert [m["role"] for m in result.completions[0]] == ["assistant", "tool"]
+    assert result.calls == [1]
+
+    # one rollout fills it, the other (the same call, without text before it) has room left:
+    # only that one samples again, cut at the budget
+    longer = encode(tokenizer, "Sure.\n" + call("add", a=2, b=3))
+    budget = len(longer) + len(suffix)
+    engine = RefusesEmptyTurns([[longer, first], answer])
+    result = loop(tokenizer, runner, max_completion_length=budget).run(
+        engine, config, None, prompt_ids, prompt_mask, [tools] * 2
+    )
+    room = len(longer) - len(first)
+    assert 0 < room < len(answer)
+    assert len(engine.prompts) == 2 and engine.prompts[1] == [
+        prompt_ids[1].tolist() + first + suffix
+    ]
+    assert result.completion_ids == [longer + suffix, first + suffix + answer[:room]]
+    assert result.calls == [1, 1]
+
+
 def test_max_tool_calling_iterations_bounds_the_rounds(runner):
     tokenizer = qwen3_tokenizer()
     tools = ToolSet([add])

@@ -275,12 +275,16 @@ class ToolLoop:
                     turns.logps[i] += [0.0] * len(suffix)
                 continuing.append(i)
                 contexts.append(prompt_ids[i] + turns.completion_ids[i])
+            # A rollout whose results fill the budget exactly ends with them, truncated (TRL
+            # samples its next turn and cuts it to nothing); engines refuse max_new_tokens=0.
+            room = {
+                i: self.max_completion_length - len(turns.completion_ids[i]) for i in continuing
+            }
+            contexts = [context for i, context in zip(continuing, contexts) if room[i] > 0]
+            continuing = [i for i in continuing if room[i] > 0]
             if not continuing:
                 break
-            room = max(
-                self.max_completion_length - len(turns.completion_ids[i]) for i in continuing
-            )
-            config.max_new_tokens = room
+            config.max_new_tokens = max(room[i] for i in continuing)
             prompt, mask = left_padded(contexts, self.pad_token_id)
             _, _, new_ids, new_logps = engine.generate(
                 prompt, mask, config, None if seed is None else seed + rounds
