@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test test-slow test-lowest train train-smollm2 lint format bench clean-venv
+.PHONY: test test-slow test-lowest train train-smollm2 train-smollm2-tools lint format bench clean-venv
 
 # Create the venv; install torch first (pinned when none is importable, so a CPU-only
 # machine takes the local CPU build instead of a multi-GB CUDA one), then the package.
@@ -54,6 +54,11 @@ train: $(STAMP)
 # A real pretrained model on 2 CPU cores (docs/recipes.md, "SmolLM2-135M on a CPU").
 train-smollm2: $(SMOLLM2_STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_cpu.yaml
+
+# The same model learning to call a sandboxed Python tool (docs/recipes.md, "SmolLM2-135M learns
+# to use a Python tool").
+train-smollm2-tools: $(SMOLLM2_STAMP)
+	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_tools_cpu.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

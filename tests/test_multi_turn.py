@@ -117,14 +117,11 @@ def test_a_result_past_the_budget_ends_the_rollout_at_its_call_and_the_last_turn
     prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
     config = GenerationConfig(max_new_tokens=512)
 
-    # the result does not fit, or fits with no room for a token after it: the rollout is its
-    # call, no tool message (it never ends on a result, which a reward would read as the answer)
-    for room in (-1, 0):
-        tight = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix) + room)
-        engine = ScriptedEngine([first, long_answer])
-        result = tight.run(engine, config, None, prompt_ids, prompt_mask, [tools])
-        assert result.completion_ids == [first] and len(result.completions[0]) == 1
-        assert result.calls == [1] and len(engine.prompts) == 1
+    # the result does not fit: the rollout is its call, no tool message
+    tight = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix) - 1)
+    result = tight.run(ScriptedEngine([first]), config, None, prompt_ids, prompt_mask, [tools])
+    assert result.completion_ids == [first] and len(result.completions[0]) == 1
+    assert result.calls == [1]
 
     # it fits, and the answer after it is cut at the budget
     budget = len(first) + len(suffix) + 10
@@ -146,32 +143,30 @@ class RefusesEmptyTurns(ScriptedEngine):
         return super().generate(prompt_ids, prompt_mask, generation_config, seed)
 
 
-def test_results_that_fill_the_budget_exactly_end_the_rollout_after_them(runner):
-    """No room is left for another turn: the results are kept and the rollout ends, truncated,
-    as in TRL (whose next turn is cut to nothing); the engine is not asked for 0 tokens."""
+def test_results_that_fill_the_budget_exactly_end_the_rollout_at_its_call(runner):
+    """Results that leave no room for a token after them are dropped like results past the
+    budget: the rollout ends at its call, never on a result (which a reward function would read
+    as the model's last message), and the engine is never asked for 0 tokens."""
     tokenizer = qwen3_tokenizer()
     tools = ToolSet([add])
     first = encode(tokenizer, call("add", a=2, b=3))
-    longer = encode(tokenizer, call("add", a=20, b=30))
     suffix = ToolCallFormat(tokenizer).result_ids([{"role": "tool", "name": "add", "content": "5"}])
     answer = encode(tokenizer, "It is 5.")
-    budget = len(first) + len(suffix)
     prompt_ids, prompt_mask = prompts_for(tokenizer, tools, count=2)
     config = GenerationConfig(max_new_tokens=512)
 
     # every rollout's results fill the budget: no second turn is sampled
     engine = RefusesEmptyTurns([first])
-    result = loop(tokenizer, runner, max_completion_length=budget).run(
+    result = loop(tokenizer, runner, max_completion_length=len(first) + len(suffix)).run(
         engine, config, None, prompt_ids[:1], prompt_mask[:1], [tools]
     )
     assert len(engine.prompts) == 1
-    assert result.completion_ids == [first + suffix]
-    assert result.tool_mask == [[1] * len(first) + [0] * len(suffix)]
-    assert [m["role"] for m in result.completions[0]] == ["assistant", "tool"]
+    assert result.completion_ids == [first] and result.tool_mask == [[1] * len(first)]
+    assert [m["role"] for m in result.completions[0]] == ["assistant"]
     assert result.calls == [1]
 
-    # one rollout fills it, the other (the same call, without text before it) has room left:
-    # only that one samples again, cut at the budget
+    # one rollout's results would fill it, the other's (the same call, without text before it)
+    # leave room: only that one continues, cut at the budget
     longer = encode(tokenizer, "Sure.\n" + call("add", a=2, b=3))
     budget = len(longer) + len(suffix)
     engine = RefusesEmptyTurns([[longer, first], answer])
@@ -183,7 +178,8 @@ def test_results_that_fill_the_budget_exactly_end_the_rollout_after_them(runner)
     assert len(engine.prompts) == 2 and engine.prompts[1] == [
         prompt_ids[1].tolist() + first + suffix
     ]
-    assert result.completion_ids == [longer + suffix, first + suffix + answer[:room]]
+    assert result.completion_ids == [longer, first + suffix + answer[:room]]
+    assert [m["role"] for m in result.completions[0]] == ["assistant"]
     assert result.calls == [1, 1]
 
 

@@ -262,8 +262,9 @@ class ToolLoop:
                 suffix = self.format.result_ids(messages)
                 length = len(turns.completion_ids[i]) + len(suffix)
                 # No room for the results and at least one token after them: the rollout ends at
-                # its call (it never ends on a result, which reward functions would read as the
-                # model's last message).
+                # its call. It never ends on a result, which reward functions would read as the
+                # model's last message (TRL keeps results that fill the budget exactly and cuts
+                # the next turn to nothing), and no engine is asked for 0 new tokens.
                 if length >= self.max_completion_length:
                     continue
                 if len(prompt_ids[i]) + length >= self.max_model_len:
@@ -275,16 +276,12 @@ class ToolLoop:
                     turns.logps[i] += [0.0] * len(suffix)
                 continuing.append(i)
                 contexts.append(prompt_ids[i] + turns.completion_ids[i])
-            # A rollout whose results fill the budget exactly ends with them, truncated (TRL
-            # samples its next turn and cuts it to nothing); engines refuse max_new_tokens=0.
-            room = {
-                i: self.max_completion_length - len(turns.completion_ids[i]) for i in continuing
-            }
-            contexts = [context for i, context in zip(continuing, contexts) if room[i] > 0]
-            continuing = [i for i in continuing if room[i] > 0]
             if not continuing:
                 break
-            config.max_new_tokens = max(room[i] for i in continuing)
+            room = max(
+                self.max_completion_length - len(turns.completion_ids[i]) for i in continuing
+            )
+            config.max_new_tokens = room
             prompt, mask = left_padded(contexts, self.pad_token_id)
             _, _, new_ids, new_logps = engine.generate(
                 prompt, mask, config, None if seed is None else seed + rounds
