@@ -17,22 +17,24 @@ the batches were published in order, the engine was never used by two threads at
 left in TMPDIR and no process left in the cell's process group. The server cells share one
 server (`--enable-lora --max-lora-rank 16`).
 
-Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts), so at
-most 45 minutes if every one hung. Measured with every cell passing, on 2 CPU cores shared with
-other jobs (load 4-7): 6 min 52 s for the module, server included, and 4.1 CPU-minutes (a
-colocated process ~36 s of CPU, a server one ~12 s). A hang costs its 300 s.
+Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts), run two
+at a time (`cell_runs`: each colocated cell beside a server cell), so at most 30 minutes if every
+one hung (each pair holds a resumed cell, two processes in turn). Measured one at a time with
+every cell passing, on 2 CPU cores shared with other jobs (load 4-7): 6 min 52 s for the module,
+server included, and 4.1 CPU-minutes (a colocated process ~36 s of CPU, a server one ~12 s): its
+processes waited much of the time, hence two at a time. A hang costs its 300 s.
 """
 
 import getpass
 import itertools
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,11 +87,6 @@ def test_cells_cover_every_pair_of_values():
         assert not missing, (first, second, missing)
 
 
-def children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def group_processes(group: int) -> list[str]:
     """`pid command` of the live processes in process group `group`."""
     found = []
@@ -115,7 +112,7 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
     command = [sys.executable, str(CELL_SCRIPT), str(folder / "settings.json"), str(result_path)]
     env = dict(os.environ, TMPDIR=str(tmpdir), TORCHINDUCTOR_CACHE_DIR=INDUCTOR_CACHE)
     problems = []
-    started, cpu_before = time.monotonic(), children_cpu_seconds()
+    started = time.monotonic()
     with open(folder / "output.log", "w") as log:
         # A session of its own: whatever it starts can be found (and stopped) by its group.
         process = subprocess.Popen(
@@ -127,7 +124,7 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
             problems.append(f"hang: still running after {CELL_TIMEOUT} s (killed)")
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    elapsed, cpu = time.monotonic() - started, children_cpu_seconds() - cpu_before
+    elapsed = time.monotonic() - started
     output = (folder / "output.log").read_text(errors="replace")
     if process.returncode != 0 and not problems:
         problems.append(f"error: exit status {process.returncode}:\n{last_error(output)}")
@@ -146,7 +143,7 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
     leaked = sorted(path.name for path in tmpdir.iterdir() if path.name != INDUCTOR_HEADERS)
     if leaked:
         problems.append(f"left in TMPDIR: {leaked}")
-    print(f"{folder.name}: {elapsed:.0f} s ({cpu:.0f} s CPU), exit status {process.returncode}")
+    print(f"{folder.parent.name}/{folder.name}: {elapsed:.0f} s, exit status {process.returncode}")
     result = json.loads(result_path.read_text()) if result_path.exists() else None
     return result, problems
 
@@ -185,12 +182,13 @@ def check_training(result: dict, k: int, first_version: int) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[cell_id(cell) for cell in CELLS])
-def test_settings_matrix_cell(cell, request, vllm_model_dir, tmp_path):
+def run_cell(cell, model_dir: Path, folder: Path, base_url: str | None) -> list[str]:
+    """Runs one cell (its two parts when resumed) and returns its problems."""
     engine, k, rank, evaluate, resume = cell
+    folder.mkdir()
     settings = dict(
-        model_dir=str(vllm_model_dir),
-        output_dir=str(tmp_path / "run"),
+        model_dir=str(model_dir),
+        output_dir=str(folder / "run"),
         engine=engine,
         max_staleness=k,
         lora_r=rank,
@@ -200,17 +198,42 @@ def test_settings_matrix_cell(cell, request, vllm_model_dir, tmp_path):
         dump_stacks_after=CELL_TIMEOUT - 30,
     )
     if engine == "server":
-        settings["base_url"], _ = request.getfixturevalue("vllm_server_rank_16")
+        settings["base_url"] = base_url
     problems, stopped = [], None
     if resume:
-        stopped, problems = run_part(dict(settings, phase="stop"), tmp_path / "stop")
+        stopped, problems = run_part(dict(settings, phase="stop"), folder / "stop")
         problems = [f"first part, {problem}" for problem in problems]
         if stopped is not None and stopped["global_step"] != SAVE_STEPS:
             problems.append(f"the first part stopped at step {stopped['global_step']}")
     if not resume or stopped is not None:
         phase = "resume" if resume else "run"
-        result, more = run_part(dict(settings, phase=phase), tmp_path / phase)
+        result, more = run_part(dict(settings, phase=phase), folder / phase)
         problems += more
         if result is not None:
             problems += check_training(result, k, first_version=SAVE_STEPS if resume else 0)
-    assert not problems, "\n".join(problems)
+    return problems
+
+
+@pytest.fixture(scope="module")
+def cell_runs(request, vllm_model_dir, tmp_path_factory):
+    """The cells, started two at a time: each colocated cell beside a server cell (server cells
+    never run together: they share one server). Their processes wait on each other and on the
+    server much of the time, so two at a time takes less wall-clock time on 2 cores."""
+    base_url, _ = request.getfixturevalue("vllm_server_rank_16")
+    root = tmp_path_factory.mktemp("matrix")
+    colocated = [cell for cell in CELLS if cell[0] == "colocate"]
+    served = [cell for cell in CELLS if cell[0] == "server"]
+    runs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for pair in itertools.zip_longest(colocated, served):
+            pair = [cell for cell in pair if cell is not None]
+            problems = pool.map(
+                lambda cell: run_cell(cell, vllm_model_dir, root / cell_id(cell), base_url), pair
+            )
+            runs.update(zip(pair, problems))  # waits for both
+    return runs
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[cell_id(cell) for cell in CELLS])
+def test_settings_matrix_cell(cell, cell_runs):
+    assert not cell_runs[cell], "\n".join(cell_runs[cell])
