@@ -55,8 +55,8 @@ train: $(STAMP)
 train-smollm2: $(SMOLLM2_STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_cpu.yaml
 
-# The same model learning to call a sandboxed Python tool (docs/recipes.md, "SmolLM2-135M learns
-# to use a Python tool").
+# The same model calling a sandboxed Python tool (docs/recipes.md, "SmolLM2-135M with a Python
+# tool").
 train-smollm2-tools: $(SMOLLM2_STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_tools_cpu.yaml
 

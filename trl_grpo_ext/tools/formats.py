@@ -3,7 +3,7 @@
 `code_block_format` is the format of tool-integrated reasoning (ToRA, Qwen2.5-Math's TIR): the
 model writes Python in a Markdown code block, the code runs, and its output comes back in an
 `output` block. Small chat models write Markdown code blocks unprompted, where they cannot write a
-JSON tool call (`docs/recipes.md`, "SmolLM2-135M learns to use a Python tool").
+JSON tool call (`docs/agents.md`, "Calls as code blocks").
 """
 
 from __future__ import annotations
