@@ -1,16 +1,20 @@
 """Tool latency hidden by asynchronous rollouts: training steps per second with a tool that waits.
 
-    python benchmarks/tool_latency.py [--tool-seconds 0.2] [--steps 6] [--repeats 3]
+    python benchmarks/tool_latency.py [--tool-seconds 0.2] [--rounds 5] [--steps 3] [--repeats 3]
     python benchmarks/tool_latency.py --modes sync "k=1" --steps 2 --repeats 1   # a quick look
 
 Remote sandboxes, search tools and LLM judges cost wall-clock time, not this machine's CPU. Here
 the tool is `add` (tests/agent_helpers.py) that sleeps `--tool-seconds` per call, and the model is
-a small Qwen3 (`--hidden-size`, `--layers`, the byte-level tiny tokenizer with Qwen3's chat
-template) overfit with supervised steps to the fixed conversation of the agent tests: "Add 2 and
-3, then add 4." -> a call `add(2, 3)`, a call `add(5, 4)`, "It is 9.". It is then trained with
-GRPO (LoRA r=16, temperature `--temperature`, `transformers` generation) for `--warmup-steps` +
-`--steps` optimizer steps of `--num-prompts` x `--num-generations` rollouts, rewarded 1 when the
-last message's last number is 9. The same work, the same seeds, four ways:
+a small Qwen3 (`--hidden-size`, `--layers`) with Qwen3's chat template and a BPE tokenizer
+(`bpe_tokenizer`: a call is 24 tokens, as Qwen3's tokenizer writes it; `--tokenizer bytes`, the
+byte-level tiny tokenizer, makes it 72) overfit with supervised steps to a conversation of
+`--rounds` calls in a row, each on the last one's result (`agent_helpers.chain_conversation`):
+"Add 2 and 3, then add 4, then add 5." -> `add(2, 3)`, `add(5, 4)`, `add(9, 5)`, "It is 14.".
+It is then trained with GRPO (LoRA r=16, temperature `--temperature`, `transformers` generation)
+for `--warmup-steps` + `--steps` optimizer steps of `--num-prompts` x `--num-generations`
+rollouts, rewarded 1 when the last message's last number is the sum. The calls of a round (one
+per rollout) run at once, the rounds of a rollout one after the other: a step waits
+`--rounds` x `--tool-seconds` for its tools. The same work, the same seeds, four ways:
 
 - `sync`: synchronous, torch on one thread, the calls of a tool round all at once
   (`tool_call_workers` = rollouts);
@@ -28,8 +32,8 @@ of steps/s to the baseline, the reward (mean over measured steps and runs, and t
 run means), the tool calls per step, where the trainer's time went (waiting for its rollouts:
 generation and tools when synchronous, the worker's lag when asynchronous; the rest, training),
 the seconds per step spent sampling and in tool rounds (on whichever thread runs them), the
-multi-turn loop's own Python work (parsing calls, rendering results: what could hold the GIL
-against the trainer), and the share of tool-round seconds that fell outside the trainer's waits,
+multi-turn loop's own Python work per batch (parsing calls, rendering results: what could hold
+the GIL against the trainer), and the share of tool-round seconds that fell outside the trainer's waits,
 i.e. hidden behind training.
 """
 
@@ -395,6 +399,14 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
+def overlap_bound(row: dict) -> float:
+    """What `max_staleness: 1` could reach from a synchronous row's time split, were the worker's
+    side (sampling and tool rounds) and the trainer's (training) each on a core of their own:
+    (sampling + tools + training) / max(sampling + tools, training)."""
+    worker_side = row["generate"] + row["tools"]
+    return (worker_side + row["train"]) / max(worker_side, row["train"])
+
+
 def table(results: dict[str, list[dict]]) -> str:
     """A Markdown table, one row per mode; "vs sync" is steps/s over the faster synchronous row."""
     rows = {mode: summarise(runs) for mode, runs in results.items()}
@@ -403,7 +415,7 @@ def table(results: dict[str, list[dict]]) -> str:
     lines = [
         "| mode | s/step (median) | steps/s | vs sync | reward (mean) | reward spread (runs) "
         "| tool calls/step | trainer waits s/step | trainer trains s/step | sampling s/step "
-        "| tool rounds s/step | loop's Python s/step | tool time hidden |",
+        "| tool rounds s/step | loop's Python s/batch | tool time hidden |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, row in rows.items():
@@ -414,6 +426,8 @@ def table(results: dict[str, list[dict]]) -> str:
             f"| {row['wait']:.2f} | {row['train']:.2f} | {row['generate']:.2f} "
             f"| {row['tools']:.2f} | {row['loop_python']:.2f} | {row['hidden']:.0%} |"
         )
+    if "sync" in rows:
+        lines.append(f"\nbound of k=1 from the sync split: {overlap_bound(rows['sync']):.2f}x")
     return "\n".join(lines)
 
 
@@ -425,7 +439,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating")
     parser.add_argument(
-        "--rounds", type=int, default=2, help="tool calls in a row in the trained conversation"
+        "--rounds", type=int, default=5, help="tool calls in a row in the trained conversation"
     )
     parser.add_argument(
         "--tokenizer",

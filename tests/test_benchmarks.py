@@ -116,9 +116,14 @@ def test_overlap_and_hidden_tool_time():
 
 @pytest.mark.skipif(Version(trl.__version__) < Version("1.16"), reason="tools need trl>=1.16")
 def test_tool_latency_conversation_and_its_bpe_tokenizer():
-    sys.path.insert(0, str(Path(__file__).parent))
-    from agent_helpers import TOOL_PROMPT, TOOL_RESULTS, TOOL_TURNS, add, chain_conversation
-    from agent_helpers import tool_conversation
+    from agent_helpers import (
+        TOOL_PROMPT,
+        TOOL_RESULTS,
+        TOOL_TURNS,
+        add,
+        chain_conversation,
+        tool_conversation,
+    )
 
     assert chain_conversation(2) == (TOOL_PROMPT, TOOL_TURNS, TOOL_RESULTS)
     prompt, turns, results = chain_conversation(4)  # 2 + 3 = 5, + 4 = 9, + 5 = 14, + 6 = 20
