@@ -1,16 +1,20 @@
 """Tool latency hidden by asynchronous rollouts: training steps per second with a tool that waits.
 
-    python benchmarks/tool_latency.py [--tool-seconds 0.2] [--steps 6] [--repeats 3]
+    python benchmarks/tool_latency.py [--tool-seconds 0.2] [--rounds 5] [--steps 3] [--repeats 3]
     python benchmarks/tool_latency.py --modes sync "k=1" --steps 2 --repeats 1   # a quick look
 
 Remote sandboxes, search tools and LLM judges cost wall-clock time, not this machine's CPU. Here
 the tool is `add` (tests/agent_helpers.py) that sleeps `--tool-seconds` per call, and the model is
-a small Qwen3 (`--hidden-size`, `--layers`, the byte-level tiny tokenizer with Qwen3's chat
-template) overfit with supervised steps to the fixed conversation of the agent tests: "Add 2 and
-3, then add 4." -> a call `add(2, 3)`, a call `add(5, 4)`, "It is 9.". It is then trained with
-GRPO (LoRA r=16, temperature `--temperature`, `transformers` generation) for `--warmup-steps` +
-`--steps` optimizer steps of `--num-prompts` x `--num-generations` rollouts, rewarded 1 when the
-last message's last number is 9. The same work, the same seeds, four ways:
+a small Qwen3 (`--hidden-size`, `--layers`) with Qwen3's chat template and a BPE tokenizer
+(`bpe_tokenizer`: a call is 24 tokens, as Qwen3's tokenizer writes it; `--tokenizer bytes`, the
+byte-level tiny tokenizer, makes it 72) overfit with supervised steps to a conversation of
+`--rounds` calls in a row, each on the last one's result (`agent_helpers.chain_conversation`):
+"Add 2 and 3, then add 4, then add 5." -> `add(2, 3)`, `add(5, 4)`, `add(9, 5)`, "It is 14.".
+It is then trained with GRPO (LoRA r=16, temperature `--temperature`, `transformers` generation)
+for `--warmup-steps` + `--steps` optimizer steps of `--num-prompts` x `--num-generations`
+rollouts, rewarded 1 when the last message's last number is the sum. The calls of a round (one
+per rollout) run at once, the rounds of a rollout one after the other: a step waits
+`--rounds` x `--tool-seconds` for its tools. The same work, the same seeds, four ways:
 
 - `sync`: synchronous, torch on one thread, the calls of a tool round all at once
   (`tool_call_workers` = rollouts);
@@ -28,8 +32,8 @@ of steps/s to the baseline, the reward (mean over measured steps and runs, and t
 run means), the tool calls per step, where the trainer's time went (waiting for its rollouts:
 generation and tools when synchronous, the worker's lag when asynchronous; the rest, training),
 the seconds per step spent sampling and in tool rounds (on whichever thread runs them), the
-multi-turn loop's own Python work (parsing calls, rendering results: what could hold the GIL
-against the trainer), and the share of tool-round seconds that fell outside the trainer's waits,
+multi-turn loop's own Python work per batch (parsing calls, rendering results: what could hold
+the GIL against the trainer), and the share of tool-round seconds that fell outside the trainer's waits,
 i.e. hidden behind training.
 """
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,7 +65,8 @@ MODES = {
     "sync, all cores": (None, None, None),
 }
 SYNC_MODES = ("sync", "sync, all cores")
-ANSWER = "9"  # 2 + 3 + 4, the fixed conversation's answer
+# single tokens in Qwen3's vocabulary
+QWEN3_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 
 def slow_add(seconds: float):
@@ -76,33 +82,82 @@ def slow_add(seconds: float):
     return slow
 
 
-def answer_reward(completions, **kwargs) -> list[float]:
-    """1.0 when the last message is the model's and its last number is 9, else 0.0."""
-    import re
+def answer_reward(answer: str):
+    """A reward: 1.0 when the last message is the model's and its last number is `answer`."""
 
-    rewards = []
-    for messages in completions:
-        last = messages[-1] if messages else {}
-        numbers = re.findall(r"-?\d+", last.get("content") or "")
-        rewards.append(float(last.get("role") == "assistant" and numbers[-1:] == [ANSWER]))
-    return rewards
+    def reward(completions, **kwargs) -> list[float]:
+        rewards = []
+        for messages in completions:
+            last = messages[-1] if messages else {}
+            numbers = re.findall(r"-?\d+", last.get("content") or "")
+            rewards.append(float(last.get("role") == "assistant" and numbers[-1:] == [answer]))
+        return rewards
+
+    reward.__name__ = "answer_reward"
+    return reward
+
+
+def bpe_tokenizer(rounds: int):
+    """A BPE tokenizer with Qwen3's chat template, its merges learnt (within words, GPT-2's
+    pre-tokenisation) from the conversation of `rounds` calls, and `<tool_call>` and the
+    like as single tokens as in Qwen3's vocabulary: a call is 24 tokens, as Qwen3's
+    own tokenizer writes it, instead of 72 bytes."""
+    from agent_helpers import add, qwen3_tokenizer, tool_conversation
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from trl_grpo_ext.tiny import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+
+    byte_tokenizer = qwen3_tokenizer()
+    prompt_ids, completion_ids, _ = tool_conversation(byte_tokenizer, [add], rounds)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+    )
+    backend.train_from_iterator([byte_tokenizer.decode(prompt_ids + completion_ids)], trainer)
+    backend.add_tokens([AddedToken(t, normalized=False) for t in QWEN3_ADDED])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        padding_side="left",
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = byte_tokenizer.chat_template
+    return tokenizer
 
 
 def tool_model_dir(
-    hidden_size: int, layers: int, overfit_steps: int, learning_rate: float, cache: Path
+    hidden_size: int,
+    layers: int,
+    overfit_steps: int,
+    learning_rate: float,
+    cache: Path,
+    rounds: int = 2,
+    tokenizer: str = "bpe",
 ) -> str:
     """The tool-calling model, overfit once and cached: a Qwen3 of this shape (heads of 32, one
-    key-value head) trained with supervised AdamW steps to write the fixed conversation's turns;
-    fails when the last loss is not near 0."""
+    key-value head) with the `tokenizer` ("bpe": `bpe_tokenizer`; "bytes": the byte-level tiny
+    tokenizer with Qwen3's chat template), trained with supervised AdamW steps to write the turns
+    of the conversation of `rounds` calls in a row (`agent_helpers.chain_conversation`). Fails
+    when greedy decoding, given the conversation so far, would not write every one of its turns'
+    tokens."""
     import torch
-    from agent_helpers import add, overfit_on_tool_conversation, qwen3_tokenizer
+    from agent_helpers import add, overfit_on_tool_conversation, qwen3_tokenizer, tool_conversation
 
     from trl_grpo_ext.tiny import build_tiny_model
 
-    folder = cache / f"h{hidden_size}-l{layers}-s{overfit_steps}-lr{learning_rate:g}"
+    name = f"{tokenizer}-h{hidden_size}-l{layers}-r{rounds}-s{overfit_steps}-lr{learning_rate:g}"
+    folder = cache / name
     if (folder / "config.json").exists():
         return str(folder)
-    tokenizer = qwen3_tokenizer()
+    tokenizer = bpe_tokenizer(rounds) if tokenizer == "bpe" else qwen3_tokenizer()
     model = build_tiny_model(
         tokenizer,
         seed=0,
@@ -116,12 +171,22 @@ def tool_model_dir(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         loss = overfit_on_tool_conversation(
-            model, tokenizer, [add], steps=overfit_steps, learning_rate=learning_rate
+            model, tokenizer, [add], overfit_steps, learning_rate, rounds
         )
-    if loss > 0.05:
+    # every token the model writes (the turns, not the prompt or the results) is its argmax
+    prompt_ids, completion_ids, pieces = tool_conversation(tokenizer, [add], rounds)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + completion_ids])).logits[0]
+    position, wrong = len(prompt_ids), 0
+    for index, piece in enumerate(pieces):
+        if index % 2 == 0:  # a turn; token i is predicted at position i - 1
+            predicted = logits[position - 1 : position + len(piece) - 1].argmax(-1)
+            wrong += int((predicted != torch.tensor(piece)).sum())
+        position += len(piece)
+    if wrong:
         raise RuntimeError(
-            f"The model did not learn the conversation (loss {loss:.3f} after {overfit_steps} "
-            "steps): raise --overfit-steps."
+            f"The model did not learn the conversation ({wrong} tokens of its turns are not its "
+            f"greedy choice; loss {loss:.3f} after {overfit_steps} steps): raise --overfit-steps."
         )
     print(f"overfit the tool-calling model in {time.perf_counter() - started:.0f} s", flush=True)
     model.save_pretrained(folder)
@@ -183,6 +248,7 @@ def worker(spec: dict) -> dict:
 
 
 def _train(spec: dict, timers: _Timers) -> dict:
+    from agent_helpers import chain_conversation, tool_conversation
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -216,12 +282,16 @@ def _train(spec: dict, timers: _Timers) -> dict:
             self.last, self.seen = now, seen
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    prompt, turns, _ = chain_conversation(spec["rounds"])
+    tool = slow_add(spec["tool_seconds"])
+    _, conversation_ids, _ = tool_conversation(tokenizer, [tool], spec["rounds"])
     max_staleness, workers, _ = MODES[spec["mode"]]
     args = GroupRelativeConfig(
         output_dir=spec["output_dir"],
         num_generations=spec["num_generations"],
         per_device_train_batch_size=rollouts,
-        max_completion_length=320,  # the conversation is 261 tokens (two results included)
+        # the whole conversation (results included; 261 tokens for 2 rounds) and a stray turn
+        max_completion_length=len(conversation_ids) + 64,
         max_prompt_length=None,  # the tool's schema is long in bytes
         temperature=spec["temperature"],
         learning_rate=1e-4,
@@ -235,15 +305,14 @@ def _train(spec: dict, timers: _Timers) -> dict:
         max_staleness=max_staleness,
         tool_call_workers=workers or rollouts,
     )
-    prompt = [{"role": "user", "content": "Add 2 and 3, then add 4."}]
     trainer = GroupRelativeTrainer(
         model=spec["model_dir"],
-        reward_funcs=answer_reward,
+        reward_funcs=answer_reward(re.findall(r"\d+", turns[-1])[-1]),
         args=args,
         train_dataset=Dataset.from_list([{"prompt": prompt}] * (args.max_steps * rollouts)),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
-        tools=[slow_add(spec["tool_seconds"])],
+        tools=[tool],
         callbacks=[Clock()],
     )
     try:
@@ -268,8 +337,16 @@ def _train(spec: dict, timers: _Timers) -> dict:
         "warmup_steps": spec["warmup_steps"],
         "tool_seconds": seconds["tools"],
         "tool_seconds_waited": overlap(measured["tools"], timers.intervals["wait"]),
-        # the loops' own work: parsing calls, rendering results, padding (not sampling or tools)
-        "loop_python_seconds": seconds["loop"] - seconds["generate"] - seconds["tools"],
+        # the loops' own work: parsing calls, rendering results, padding (not sampling or tools),
+        # of the loops that started after the warm-up, each net of the sampling and tool rounds
+        # within it (a loop that started earlier is left out with all of its parts)
+        "loop_python_seconds": sum(
+            (b - a)
+            - overlap(timers.intervals["generate"], [(a, b)])
+            - overlap(timers.intervals["tools"], [(a, b)])
+            for a, b in measured["loop"]
+        ),
+        "loops": len(measured["loop"]),
     }
 
 
@@ -306,7 +383,9 @@ def summarise(runs: list[dict]) -> dict:
     hidden = 1 - sum(run["tool_seconds_waited"] for run in runs) / tool_seconds
     return {
         "hidden": hidden if tool_seconds else float("nan"),
-        "loop_python": sum(run.get("loop_python_seconds", 0.0) for run in runs) / len(steps),
+        # per batch sampled (under max_staleness the worker is a batch ahead of the trainer)
+        "loop_python": sum(run["loop_python_seconds"] for run in runs)
+        / max(1, sum(run["loops"] for run in runs)),
         "s_per_step": seconds,
         "steps_per_s": 1 / seconds,
         "reward": statistics.fmean(step["reward"] for step in steps),
@@ -320,6 +399,14 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
+def overlap_bound(row: dict) -> float:
+    """What `max_staleness: 1` could reach from a synchronous row's time split, were the worker's
+    side (sampling and tool rounds) and the trainer's (training) each on a core of their own:
+    (sampling + tools + training) / max(sampling + tools, training)."""
+    worker_side = row["generate"] + row["tools"]
+    return (worker_side + row["train"]) / max(worker_side, row["train"])
+
+
 def table(results: dict[str, list[dict]]) -> str:
     """A Markdown table, one row per mode; "vs sync" is steps/s over the faster synchronous row."""
     rows = {mode: summarise(runs) for mode, runs in results.items()}
@@ -328,7 +415,7 @@ def table(results: dict[str, list[dict]]) -> str:
     lines = [
         "| mode | s/step (median) | steps/s | vs sync | reward (mean) | reward spread (runs) "
         "| tool calls/step | trainer waits s/step | trainer trains s/step | sampling s/step "
-        "| tool rounds s/step | loop's Python s/step | tool time hidden |",
+        "| tool rounds s/step | loop's Python s/batch | tool time hidden |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, row in rows.items():
@@ -339,6 +426,8 @@ def table(results: dict[str, list[dict]]) -> str:
             f"| {row['wait']:.2f} | {row['train']:.2f} | {row['generate']:.2f} "
             f"| {row['tools']:.2f} | {row['loop_python']:.2f} | {row['hidden']:.0%} |"
         )
+    if "sync" in rows:
+        lines.append(f"\nbound of k=1 from the sync split: {overlap_bound(rows['sync']):.2f}x")
     return "\n".join(lines)
 
 
@@ -349,6 +438,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per run")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="tool calls in a row in the trained conversation"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="bpe",
+        choices=["bpe", "bytes"],
+        help="a BPE tokenizer (a call: 24 tokens) or the byte-level one (72)",
+    )
     parser.add_argument("--num-prompts", type=int, default=2)
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -373,6 +471,8 @@ def main(argv=None) -> dict:
         options.overfit_steps,
         options.overfit_learning_rate,
         cache,
+        options.rounds,
+        options.tokenizer,
     )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
@@ -400,6 +500,7 @@ def main(argv=None) -> dict:
                             "num_generations",
                             "temperature",
                             "seed",
+                            "rounds",
                         )
                     },
                 }

@@ -102,31 +102,52 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def tool_conversation(tokenizer, tools) -> tuple[list[int], list[int], list[list[int]]]:
-    """The tokens of the fixed three-turn conversation, as the multi-turn loop builds them: the
-    prompt rendered with `tools` by the chat template, then each turn (its text and eos) with
-    the tool results' tokens (`ToolCallFormat.result_ids`) between the turns.
+def chain_conversation(rounds: int = 2) -> tuple[list[dict], list[str], list[str]]:
+    """A conversation of `rounds` calls of `add` in a row, each on the last one's result, then
+    the answer: `(prompt, turns, results)`. `rounds=2` is the fixed conversation (`TOOL_PROMPT`,
+    `TOOL_TURNS`, `TOOL_RESULTS`): 2 + 3 = 5, 5 + 4 = 9, "It is 9."."""
+    numbers = list(range(2, rounds + 3))  # 2, 3, 4, ...
+    text = f"Add {numbers[0]} and {numbers[1]}" + "".join(f", then add {n}" for n in numbers[2:])
+    turns, results, total = [], [], numbers[0]
+    for number in numbers[1:]:
+        turns.append(call("add", a=total, b=number))
+        total += number
+        results.append(str(total))
+    return [{"role": "user", "content": text + "."}], [*turns, f"It is {total}."], results
+
+
+def tool_conversation(
+    tokenizer, tools, rounds: int = 2
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """The tokens of the fixed conversation (`chain_conversation(rounds)`; by default the
+    three-turn one), as the multi-turn loop builds them: the prompt rendered with `tools` by the
+    chat template, then each turn (its text and eos) with the tool results' tokens
+    (`ToolCallFormat.result_ids`) between the turns.
 
     Returns `(prompt_ids, completion_ids, pieces)`: `pieces` is the completion cut into turn,
-    result, turn, result, turn."""
+    result, turn, ..., result, turn."""
     from trl_grpo_ext.generation.multi_turn import ToolCallFormat
     from trl_grpo_ext.generation.prompts import PromptEncoder
 
+    prompt, turns, results = chain_conversation(rounds)
     format = ToolCallFormat(tokenizer)
     encoder = PromptEncoder(tokenizer, chat_template=format.chat_template)
-    prompt_ids = encoder.encode([TOOL_PROMPT], [tools])[0][0].tolist()
-    pieces = [encode(tokenizer, TOOL_TURNS[0])]
-    for result, turn in zip(TOOL_RESULTS, TOOL_TURNS[1:]):
+    prompt_ids = encoder.encode([prompt], [tools])[0][0].tolist()
+    pieces = [encode(tokenizer, turns[0])]
+    for result, turn in zip(results, turns[1:]):
         pieces.append(format.result_ids([{"role": "tool", "name": "add", "content": result}]))
         pieces.append(encode(tokenizer, turn))
     return prompt_ids, [token for piece in pieces for token in piece], pieces
 
 
-def overfit_on_tool_conversation(model, tokenizer, tools, steps=100, learning_rate=3e-3):
+def overfit_on_tool_conversation(
+    model, tokenizer, tools, steps=100, learning_rate=3e-3, rounds: int = 2
+):
     """Trains `model` in place, with plain supervised AdamW steps, to write the assistant turns of
-    the fixed conversation (`tool_conversation`) given its context: the tool results and the
-    prompt carry no loss. Returns the last loss (mean negative log-likelihood per token)."""
-    prompt_ids, completion_ids, pieces = tool_conversation(tokenizer, tools)
+    the fixed conversation (`tool_conversation`, of `rounds` calls) given its context: the tool
+    results and the prompt carry no loss. Returns the last loss (mean negative log-likelihood per
+    token)."""
+    prompt_ids, completion_ids, pieces = tool_conversation(tokenizer, tools, rounds)
     input_ids = torch.tensor([prompt_ids + completion_ids])  # (1, L)
     labels = input_ids.clone()
     labels[0, : len(prompt_ids)] = -100

@@ -106,10 +106,35 @@ def test_overlap_and_hidden_tool_time():
     assert latency.overlap([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
     step = {"seconds": 2.0, "wait": 0.5, "reward": 1.0}
     run = {"steps": [step, step], "warmup_steps": 1, "tool_seconds": 0.4}
+    run |= {"loop_python_seconds": 0.3, "loops": 2}  # two batches sampled: 0.15 s each
     # the trainer waited through a quarter of the tool rounds: three quarters were hidden
     summary = latency.summarise([{**run, "tool_seconds_waited": 0.1}])
     assert summary["hidden"] == pytest.approx(0.75)
+    assert summary["loop_python"] == pytest.approx(0.15)
     assert summary["train"] == pytest.approx(1.5) and summary["measured_steps"] == 1
+
+
+@pytest.mark.skipif(Version(trl.__version__) < Version("1.16"), reason="tools need trl>=1.16")
+def test_tool_latency_conversation_and_its_bpe_tokenizer():
+    from agent_helpers import (
+        TOOL_PROMPT,
+        TOOL_RESULTS,
+        TOOL_TURNS,
+        add,
+        chain_conversation,
+        tool_conversation,
+    )
+
+    assert chain_conversation(2) == (TOOL_PROMPT, TOOL_TURNS, TOOL_RESULTS)
+    prompt, turns, results = chain_conversation(4)  # 2 + 3 = 5, + 4 = 9, + 5 = 14, + 6 = 20
+    assert prompt[0]["content"] == "Add 2 and 3, then add 4, then add 5, then add 6."
+    assert results == ["5", "9", "14", "20"] and turns[-1] == "It is 20." and len(turns) == 5
+    tokenizer = load("tool_latency").bpe_tokenizer(4)
+    prompt_ids, completion_ids, pieces = tool_conversation(tokenizer, [add], 4)
+    assert tokenizer.decode(pieces[0]) == turns[0] + "<|im_end|>"
+    # a call as Qwen3's tokenizer writes it: <tool_call> one token, words merged, 24 in all
+    assert len(pieces[0]) == 24 and tokenizer.convert_ids_to_tokens(pieces[0][0]) == "<tool_call>"
+    assert len(prompt_ids) < 300  # the byte-level tokenizer: 779
 
 
 @pytest.mark.skipif(Version(trl.__version__) < Version("1.16"), reason="tools need trl>=1.16")
