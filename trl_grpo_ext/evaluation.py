@@ -172,7 +172,8 @@ def generate(
     samples = config.num_return_sequences
     outputs, counts, truncated = [], [], []
     step = max(1, batch_size // samples)
-    rows = rows or [{"prompt": prompt} for prompt in prompts]
+    if tool_turns is not None:
+        rows = rows or [{"prompt": prompt} for prompt in prompts]
     for start in range(0, len(prompts), step):
         if tool_turns is not None:
             turns = tool_turns(rows[start : start + step], engine, config)

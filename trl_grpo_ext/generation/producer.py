@@ -148,8 +148,7 @@ class RolloutProducer:
             seed = int(torch.randint(0, 2**31 - 1, ()))
         engine = self.evaluation_engine(version)
         if self.tool_loop is not None:
-            slot = 0 if self.args.max_staleness is None else "outside"
-            return self._generate_turns(rows, version, engine, seed, slot)
+            return self._generate_turns(rows, version, engine, seed, self._outside_slot)
         prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, self.sampling, seed
@@ -163,9 +162,14 @@ class RolloutProducer:
         training schedule (evaluations: `evaluation.generate`), sampled by `engine` (from
         `evaluation_engine`) with `generation_config`: `num_return_sequences` per row, in order."""
         group = generation_config.num_return_sequences or 1
-        slot = 0 if self.args.max_staleness is None else "outside"
-        _, tools, _, encoded = self._start_turns(rows, group, slot)
+        _, tools, _, encoded = self._start_turns(rows, group, self._outside_slot)
         return self.tool_loop.run(engine, generation_config, None, *encoded, tools)
+
+    @property
+    def _outside_slot(self):
+        """The environments' slot of batches sampled outside the training schedule: slot 0 when
+        synchronous (free between steps), else one of their own."""
+        return 0 if self.args.max_staleness is None else "outside"
 
     def evaluation_engine(self, version: int):
         """The engine to sample with outside the training schedule (evaluations), with the
