@@ -1,10 +1,13 @@
 """`run_python`: model-written programs run in a sandbox, within their limits, and come back as a
 string; hostile programs affect neither the host's files, environment, network nor this process.
 
-The hostile cases run only where the sandbox has its namespaces (`needs_namespaces`): without
-them a program could really delete or kill. The fallback is tested on harmless programs."""
+The `sandbox` fixture runs each test under each mechanism: namespaces made by util-linux, by
+bubblewrap, and the process fallback; a mechanism this machine cannot run is skipped with the
+reason. The hostile cases run only under the namespaces (`needs_namespaces`): without them a
+program could really delete or kill. The fallback is tested on harmless programs."""
 
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -27,15 +30,29 @@ SETUP_CFG = os.path.join(PROJECT, "setup.cfg")
 LIMITS = dict(cpu_seconds=2, wall_seconds=5.0, memory_mb=512, max_processes=8)
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    return PythonSandbox(**LIMITS)
+@pytest.fixture(scope="module", params=isolation.MECHANISMS)
+def sandbox(request):
+    mechanism = request.param
+    if mechanism == isolation.NAMESPACES and isolation.missing_tools():
+        pytest.skip(f"util-linux's {', '.join(isolation.missing_tools())} not installed")
+    if mechanism == isolation.BUBBLEWRAP and isolation.bubblewrap() is None:
+        pytest.skip("bubblewrap (`bwrap`) is not installed (`apt install bubblewrap`)")
+    sandbox = PythonSandbox(**LIMITS, isolation=mechanism)
+    output = sandbox("print(6 * 7)")
+    if output != "42":
+        pytest.skip(f"this machine cannot run the {mechanism} mechanism: {output[-300:]}")
+    return sandbox
 
 
 @pytest.fixture
 def needs_namespaces(sandbox):
-    if sandbox.mechanism != isolation.NAMESPACES:
-        pytest.skip("this machine cannot make the sandbox's namespaces (see the warning)")
+    if sandbox.mechanism == isolation.PROCESS:
+        pytest.skip("hostile programs run only in namespaces")
+
+
+def like(sandbox, **limits):
+    """A sandbox of the same mechanism as `sandbox`, with other limits."""
+    return PythonSandbox(**limits, isolation=sandbox.mechanism)
 
 
 def sandbox_leftovers() -> tuple[list[str], list[str]]:
@@ -90,15 +107,16 @@ def test_an_exception_is_its_traceback_from_the_program(sandbox):
     assert sandbox("import sys\nprint('bye')\nsys.exit(3)") == "bye\nExit status 3."
 
 
-def test_output_past_the_limit_is_cut_with_a_note():
-    output = PythonSandbox(max_output_bytes=100)("print('a' * 1000)")
+def test_output_past_the_limit_is_cut_with_a_note(sandbox):
+    output = like(sandbox, max_output_bytes=100)("print('a' * 1000)")
     assert output == "a" * 100 + "\n[output truncated: 1001 bytes, the first 100 shown]"
 
 
 def test_the_limits_are_checked():
     with pytest.raises(ValueError, match="wall_seconds"):
         PythonSandbox(wall_seconds=0)
-    with pytest.raises(ValueError, match="isolation"):
+    choices = '`isolation` must be "auto", "namespaces", "bubblewrap" or "process", got \'docker\''
+    with pytest.raises(ValueError, match=re.escape(choices)):
         PythonSandbox(isolation="docker")
 
 
@@ -112,9 +130,9 @@ def test_an_infinite_loop_is_killed_at_its_cpu_limit(sandbox):
     assert time.monotonic() - start < 30
 
 
-def test_a_program_that_waits_is_stopped_at_the_wall_clock_limit():
+def test_a_program_that_waits_is_stopped_at_the_wall_clock_limit(sandbox):
     start = time.monotonic()
-    output = PythonSandbox(wall_seconds=1.0)(
+    output = like(sandbox, wall_seconds=1.0)(
         "import time\nprint('started', flush=True)\ntime.sleep(60)"
     )
     assert output == "started\nError: the program ran past the time limit of 1 s and was stopped."
@@ -217,7 +235,13 @@ def test_a_connection_to_a_local_port_fails(sandbox, needs_namespaces):
         port = server.getsockname()[1]
         program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
         output = sandbox(program)
-        assert "Network is unreachable" in output and "connected" not in output
+        # util-linux leaves the namespace's loopback down; bwrap brings it up, and nothing of the
+        # sandbox listens on it
+        expected = {
+            isolation.NAMESPACES: "Network is unreachable",
+            isolation.BUBBLEWRAP: "Connection refused",
+        }
+        assert expected[sandbox.mechanism] in output and "connected" not in output
         with pytest.raises(BlockingIOError):
             server.accept()  # nothing ever connected
 
@@ -248,7 +272,7 @@ def run_and_check_leftovers(sandbox, count):
 
 def test_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namespaces):
     run_and_check_leftovers(sandbox, 20)
-    PythonSandbox(wall_seconds=0.5)("import time\ntime.sleep(10)")  # killed mid-run
+    like(sandbox, wall_seconds=0.5)("import time\ntime.sleep(10)")  # killed mid-run
     assert sandbox_leftovers() == ([], [])
 
 
@@ -257,11 +281,62 @@ def test_1000_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namesp
     run_and_check_leftovers(sandbox, 1000)
 
 
-# --- without namespaces ---------------------------------------------------------------------
+# --- which mechanism "auto" picks ---------------------------------------------------------
+
+# What `unshare` prints where unprivileged user namespaces are refused (Ubuntu 24.04's AppArmor)
+REFUSAL = "unshare: write failed /proc/self/uid_map: Operation not permitted"
+UNSHARE_REFUSED = ["sh", "-c", f"echo '{REFUSAL}' >&2; exit 1"]
 
 
-def test_without_namespaces_it_runs_in_a_process_and_warns_once(monkeypatch):
+def refuse_util_linux(monkeypatch) -> list[str]:
+    """Makes every util-linux sandbox fail as `unshare` does where it is refused; returns a list
+    that gets one entry per attempt."""
+    tried = []
+
+    def namespace_command(*args, **kwargs):
+        tried.append(isolation.NAMESPACES)
+        return UNSHARE_REFUSED
+
+    monkeypatch.setattr(isolation, "namespace_command", namespace_command)
+    return tried
+
+
+def fake_bubblewrap(tmp_path, message: str) -> str:
+    """A `bwrap` that fails with `message`, as it does where it cannot make namespaces."""
+    path = tmp_path / "bwrap"
+    path.write_text(f"#!/bin/sh\necho {message!r} >&2\nexit 1\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_auto_prefers_util_linux_then_bubblewrap(monkeypatch):
+    if isolation.missing_tools() or isolation.bubblewrap() is None:
+        pytest.skip("needs both util-linux and bubblewrap (`bwrap`)")
+    for mechanism in (isolation.NAMESPACES, isolation.BUBBLEWRAP):
+        if PythonSandbox(isolation=mechanism)("print(6 * 7)") != "42":
+            pytest.skip(f"this machine cannot run the {mechanism} mechanism")
+    monkeypatch.setattr(python_module, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert PythonSandbox(**LIMITS).mechanism == isolation.NAMESPACES
+        tried = refuse_util_linux(monkeypatch)
+        sandbox = PythonSandbox(**LIMITS)
+        assert sandbox.mechanism == isolation.BUBBLEWRAP
+        assert tried == [isolation.NAMESPACES]  # tried first, refused
+        # isolated: the host's /etc and the project are not there
+        assert sandbox("import os\nprint(sorted(os.listdir('/etc')))") == "['ld.so.cache']"
+        assert sandbox(f"print(open({SETUP_CFG!r}).read())").endswith(
+            f"No such file or directory: {SETUP_CFG!r}"
+        )
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
+
+
+@pytest.mark.parametrize("bubblewrap", ["not installed", "refused"])
+def test_without_namespaces_it_runs_in_a_process_and_warns_once(monkeypatch, tmp_path, bubblewrap):
     monkeypatch.setattr(isolation, "missing_tools", lambda: ["unshare"])
+    denied = "bwrap: setting up uid map: Permission denied"
+    executable = None if bubblewrap == "not installed" else fake_bubblewrap(tmp_path, denied)
+    monkeypatch.setattr(isolation, "bubblewrap", lambda: executable)
     monkeypatch.setattr(python_module, "_warned", set())
     monkeypatch.setenv("RUN_PYTHON_TEST_SECRET", "s3cr3t-4f1e9")
     with warnings.catch_warnings(record=True) as caught:
@@ -275,8 +350,13 @@ def test_without_namespaces_it_runs_in_a_process_and_warns_once(monkeypatch):
     assert "s3cr3t-4f1e9" not in output
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1
-    assert "the util-linux programs unshare are not installed" in messages[0]
+    assert "the util-linux programs unshare are not installed; bubblewrap" in messages[0]
+    if executable is None:
+        assert "bubblewrap (`bwrap`) is not installed." in messages[0]
+    else:
+        assert f"bubblewrap cannot make them here ({denied})." in messages[0]
     assert "can read and write whatever this user can, reach the network" in messages[0]
+    assert "or install bubblewrap (`apt install bubblewrap`" in messages[0]
     assert sandbox_leftovers()[1] == []
 
 

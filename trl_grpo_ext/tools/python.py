@@ -1,12 +1,12 @@
 """`run_python`: a tool that runs model-written Python in a sandbox and returns what it printed.
 
 Each call runs the program in a new, isolated interpreter (`python -I -S`: the standard library
-only, no site-packages, no `PYTHON*` variables), isolated by Linux namespaces where they can be
-made and limited by `setrlimit` in every case (see `isolation` for exactly what each mechanism
-hides). What comes back is a string for the model, never an exception: the program's stdout and
-stderr together (cut at `max_output_bytes`), its traceback when it fails, or a short error when
-it runs past a limit. When the call returns, every process of the program has been killed and its
-temporary files removed.
+only, no site-packages, no `PYTHON*` variables), isolated by Linux namespaces (made by util-linux
+or by bubblewrap) where they can be made and limited by `setrlimit` in every case (see
+`isolation` for exactly what each mechanism hides). What comes back is a string for the model,
+never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
+traceback when it fails, or a short error when it runs past a limit. When the call returns, every
+process of the program has been killed and its temporary files removed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 import warnings
 
 from . import isolation
-from .isolation import NAMESPACES, PROCESS
+from .isolation import BUBBLEWRAP, MECHANISMS, NAMESPACES, PROCESS
 
 # Runs in the sandboxed interpreter: sets the limits (inside the namespaces, where RLIMIT_NPROC
 # counts the program's processes only), then runs /work/main.py as `__main__`. A traceback shows
@@ -93,9 +93,10 @@ class PythonSandbox:
         work_mb (`int`, *optional*, defaults to `64`):
             Size of the program's writable directory, `/work` (memory, with namespaces).
         isolation (`str`, *optional*, defaults to `"auto"`):
-            `"namespaces"`, `"process"` (no isolation beyond a separate process with limits) or
-            `"auto"`: namespaces where this machine can make them, else `"process"` with a warning
-            (once) that says what is not isolated.
+            `"namespaces"` (made by util-linux), `"bubblewrap"` (the same namespaces, made by
+            `bwrap`), `"process"` (no isolation beyond a separate process with limits) or
+            `"auto"`: the first of `"namespaces"` and `"bubblewrap"` that this machine can run,
+            else `"process"` with a warning (once) that says what is not isolated.
     """
 
     def __init__(
@@ -108,9 +109,10 @@ class PythonSandbox:
         work_mb: int = 64,
         isolation: str = "auto",
     ) -> None:
-        if isolation not in ("auto", "namespaces", "process"):
+        if isolation not in ("auto", *MECHANISMS):
             raise ValueError(
-                f'`isolation` must be "auto", "namespaces" or "process", got {isolation!r}.'
+                '`isolation` must be "auto", "namespaces", "bubblewrap" or "process", got '
+                f"{isolation!r}."
             )
         for name, value in (
             ("cpu_seconds", cpu_seconds),
@@ -135,8 +137,8 @@ class PythonSandbox:
 
     @property
     def mechanism(self) -> str:
-        """`"namespaces"` or `"process"`: how calls are isolated (with `"auto"`, found out by the
-        first call, or by reading this)."""
+        """`"namespaces"`, `"bubblewrap"` or `"process"`: how calls are isolated (with `"auto"`,
+        found out by the first call, or by reading this)."""
         with self._lock:
             if self._mechanism is None:
                 self._mechanism = self._detect()
@@ -153,30 +155,38 @@ class PythonSandbox:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def _command(self, mechanism: str, scratch: str, program: str) -> tuple[list[str], str]:
-        """The command of one call and its working directory."""
-        as_root = mechanism == NAMESPACES and os.geteuid() == 0
-        # in a user namespace, the unshare and sh processes count toward the program's RLIMIT_NPROC
-        processes = self.max_processes + (0 if as_root or mechanism == PROCESS else 2)
+    def _command(self, mechanism: str, scratch: str, program: str, program_fd: int) -> list[str]:
+        """The command of one call, run in `scratch`; `program_fd` is `program` open to read."""
+        # processes of the sandbox that count toward the program's RLIMIT_NPROC in a user
+        # namespace: unshare and sh; bwrap's PID 1
+        helpers = {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
+        processes = self.max_processes + (0 if os.geteuid() == 0 else helpers)
         limits = [self.cpu_seconds, self.memory_mb * 1024**2, processes, _FILE_SIZE, _OPEN_FILES]
         python = [isolation.interpreter(), "-I", "-S", "-c", _LAUNCHER, *map(str, limits)]
         if mechanism == PROCESS:
-            return python, scratch
+            return python
+        if mechanism == BUBBLEWRAP:
+            return isolation.bubblewrap_command(program_fd, self.work_mb, python)
         root = os.path.join(scratch, "root")
         os.mkdir(root)
-        return isolation.namespace_command(root, program, self.work_mb, python), scratch
+        return isolation.namespace_command(root, program, self.work_mb, python)
 
     def _run(self, mechanism: str, scratch: str, program: str) -> str:
-        command, cwd = self._command(mechanism, scratch, program)
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            env=isolation.environment() if mechanism == NAMESPACES else _process_environment(cwd),
-            start_new_session=True,  # its own process group, killed as a whole
-        )
+        with open(program, "rb") as source:  # bwrap copies the program from this descriptor
+            process = subprocess.Popen(
+                self._command(mechanism, scratch, program, source.fileno()),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=scratch,
+                env=(
+                    _process_environment(scratch)
+                    if mechanism == PROCESS
+                    else isolation.environment()
+                ),
+                pass_fds=(source.fileno(),) if mechanism == BUBBLEWRAP else (),
+                start_new_session=True,  # its own process group, killed as a whole
+            )
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
@@ -225,29 +235,40 @@ class PythonSandbox:
         return ""
 
     def _detect(self) -> str:
-        """Namespaces if a trivial program runs in them here, else the process fallback, with a
-        warning naming the reason and what is not isolated."""
+        """The first mechanism of namespaces and bubblewrap in which a trivial program runs here,
+        else the process fallback, with a warning naming the reasons and what is not isolated."""
         missing = isolation.missing_tools()
         if missing:
-            reason = f"the util-linux programs {', '.join(missing)} are not installed"
+            reasons = [f"the util-linux programs {', '.join(missing)} are not installed"]
         else:
-            scratch = tempfile.mkdtemp(prefix="run_python-")
-            try:
-                program = os.path.join(scratch, "main.py")
-                with open(program, "w", encoding="utf-8") as file:
-                    file.write("print(6 * 7)")
-                result = self._run(NAMESPACES, scratch, program)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
+            result = self._probe(NAMESPACES)
             if result == "42":
                 return NAMESPACES
-            reason = f"this machine cannot make them ({result.strip()[-300:]})"
-        message = fallback_warning(reason)
+            reasons = [f"util-linux cannot make them here ({result.strip()[-300:]})"]
+        if isolation.bubblewrap() is None:
+            reasons.append("bubblewrap (`bwrap`) is not installed")
+        else:
+            result = self._probe(BUBBLEWRAP)
+            if result == "42":
+                return BUBBLEWRAP
+            reasons.append(f"bubblewrap cannot make them here ({result.strip()[-300:]})")
+        message = fallback_warning("; ".join(reasons))
         with _default_lock:
             if message not in _warned:  # once per process, whatever the number of sandboxes
                 _warned.add(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
         return PROCESS
+
+    def _probe(self, mechanism: str) -> str:
+        """What `print(6 * 7)` gives back under `mechanism`."""
+        scratch = tempfile.mkdtemp(prefix="run_python-")
+        try:
+            program = os.path.join(scratch, "main.py")
+            with open(program, "w", encoding="utf-8") as file:
+                file.write("print(6 * 7)")
+            return self._run(mechanism, scratch, program)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def fallback_warning(reason: str) -> str:
@@ -263,8 +284,10 @@ def fallback_warning(reason: str) -> str:
         "separate process with CPU, memory, file-size and open-file limits, an empty environment "
         "and a temporary working directory, killed after the wall-clock limit; "
         f"{processes}. They can read and write whatever this user can, reach the network, and "
-        "signal this user's processes. Run the trainer where unprivileged user namespaces are "
-        "allowed (`unshare --user --map-root-user true` succeeds) for isolation."
+        "signal this user's processes. For isolation, run the trainer where unprivileged user "
+        "namespaces are allowed (`unshare --user --map-root-user true` succeeds), or install "
+        "bubblewrap (`apt install bubblewrap`; on Ubuntu 23.10 and later its AppArmor profile lets "
+        "`bwrap` make them where `unshare` may not)."
     )
 
 
