@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -97,6 +98,24 @@ def test_synthetic_difficulty_and_scoring():
         assert operation == "*" and 0 <= int(a) <= 999 and 0 <= int(b) <= 99
         assert int(row["answer"]) == int(a) * int(b)
     assert max(int(row["answer"]) for row in products) > 10_000  # beyond mental arithmetic
+    # Level 7: the same products in two-step questions, worded four ways; each answer checked
+    # against the question rewritten as Python by hand.
+    spelled = {
+        r"Multiply (\d+) by (\d+), then add (\d+)\.": "{} * {} + {}",
+        r"Multiply (\d+) by (\d+), then take away (\d+)\.": "{} * {} - {}",
+        r"What is the product of (\d+) and (\d+)\?": "{} * {}",
+        r"What is (\d+) \* (\d+) minus (\d+) \* (\d+)\?": "{} * {} - {} * {}",
+    }
+    worded = synthetic_rows(200, split="train", difficulty=7, seed=0)
+    seen = set()
+    for row in worded:
+        (pattern, expression), match = next(
+            (item, m) for item in spelled.items() if (m := re.fullmatch(item[0], row["question"]))
+        )
+        seen.add(pattern)
+        assert int(row["answer"]) == eval(expression.format(*match.groups()))
+        assert 100 <= int(match[1]) <= 999 and 10 <= int(match[2]) <= 99
+    assert len(seen) == 4
     with pytest.raises(ValueError, match="difficulty"):
         synthetic_rows(5, difficulty=9)
     with pytest.raises(ValueError, match="distinct"):

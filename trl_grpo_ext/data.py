@@ -162,11 +162,13 @@ class Difficulty:
     digits: int
     operations: str
     multiplier_digits: int = 1  # digits of the second factor of a product
+    worded: bool = False  # two-step problems in words (WORDED) instead of "What is a + b?"
 
 
 # Level -> problems. Levels 1-2 fit the tiny model of the offline default; the rest are for
-# real models on a CPU smoke run; level 6 (products of up to 3 by up to 2 digits) is for a model
-# with a Python tool, which small models cannot multiply without.
+# real models on a CPU smoke run; levels 6 (products of up to 3 by up to 2 digits) and 7 (the same
+# products in two-step problems worded four ways) are for a model with a Python tool, which small
+# models cannot multiply without.
 DIFFICULTIES = {
     1: Difficulty(digits=1, operations="+"),
     2: Difficulty(digits=2, operations="+"),
@@ -174,7 +176,17 @@ DIFFICULTIES = {
     4: Difficulty(digits=3, operations="+-"),
     5: Difficulty(digits=2, operations="+-*"),
     6: Difficulty(digits=3, operations="*", multiplier_digits=2),
+    7: Difficulty(digits=3, operations="*", multiplier_digits=2, worded=True),
 }
+
+# The questions of a worded level, each with its answer, for a, c of 3 digits (100-999), b of 2
+# (10-99) and d of 1 (2-9).
+WORDED = (
+    ("Multiply {a} by {b}, then add {c}.", lambda a, b, c, d: a * b + c),
+    ("Multiply {a} by {b}, then take away {c}.", lambda a, b, c, d: a * b - c),
+    ("What is the product of {a} and {b}?", lambda a, b, c, d: a * b),
+    ("What is {a} * {b} minus {c} * {d}?", lambda a, b, c, d: a * b - c * d),
+)
 HELD_OUT_PERCENT = 20
 SPLITS = ("train", "validation", "test")
 
@@ -198,8 +210,18 @@ def is_held_out(question: str) -> bool:
 
 
 def synthetic_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
-    """One `(question, answer)`; subtraction keeps the result non-negative."""
+    """One `(question, answer)`; subtraction keeps the result non-negative, except in the
+    worded "a * b minus c * d"."""
     level = DIFFICULTIES[difficulty]
+    if level.worded:
+        template, value = rng.choice(WORDED)
+        a, b, c, d = (
+            rng.randint(100, 999),
+            rng.randint(10, 99),
+            rng.randint(100, 999),
+            rng.randint(2, 9),
+        )
+        return template.format(a=a, b=b, c=c, d=d), str(value(a, b, c, d))
     high = 10**level.digits - 1
     operation = rng.choice(level.operations)
     a, b = rng.randint(0, high), rng.randint(0, high)

@@ -52,7 +52,7 @@ class MathScriptArguments:
     synthetic_difficulty: int = field(
         default=2,
         metadata={
-            "help": "Difficulty level of the synthetic arithmetic (1-6; 6: products for a Python tool)."
+            "help": "Difficulty level of the synthetic arithmetic (1-7; 6-7: products for a Python tool)."
         },
     )
     synthetic_validation_percent: int = field(
