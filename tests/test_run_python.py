@@ -15,13 +15,8 @@ import time
 import warnings
 
 import pytest
-import torch
-from agent_helpers import ScriptedEngine, call, encode, needs_trl_1_16, qwen3_tokenizer
-from transformers import GenerationConfig
-from transformers.utils import get_json_schema
 
-from trl_grpo_ext.generation.multi_turn import ToolCallFormat, ToolLoop
-from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, isolation, run_python
+from trl_grpo_ext.tools import PythonSandbox, isolation
 from trl_grpo_ext.tools import python as python_module
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,17 +75,6 @@ def sandbox_leftovers() -> tuple[list[str], list[str]]:
 def test_a_program_prints_its_result(sandbox):
     assert sandbox("print(2**10)") == "1024"
     assert sandbox("import math\nprint(math.comb(10, 3))\nprint(sum(range(5)))") == "120\n10"
-
-
-def test_run_python_is_a_tool_described_by_its_docstring():
-    schema = get_json_schema(run_python)["function"]
-    assert schema["name"] == "run_python"
-    assert schema["parameters"]["required"] == ["code"]
-    assert schema["parameters"]["properties"]["code"]["type"] == "string"
-    # an instance with other limits is the same tool
-    assert get_json_schema(PythonSandbox(cpu_seconds=1))["function"] == schema
-    assert ToolSet([PythonSandbox()]).names == ["run_python"]
-    assert run_python("print(6 * 7)") == "42"
 
 
 def test_a_syntax_error_is_a_short_error(sandbox):
@@ -358,41 +342,3 @@ def test_without_namespaces_it_runs_in_a_process_and_warns_once(monkeypatch, tmp
     assert "can read and write whatever this user can, reach the network" in messages[0]
     assert "or install bubblewrap (`apt install bubblewrap`" in messages[0]
     assert sandbox_leftovers()[1] == []
-
-
-# --- as a tool of the multi-turn loop --------------------------------------------------------
-
-
-@needs_trl_1_16
-def test_the_model_calls_run_python_and_reads_its_output():
-    tokenizer = qwen3_tokenizer()
-    tools = ToolSet([run_python])
-    messages = [{"role": "user", "content": "What is 2**100?"}]
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools.functions, add_generation_prompt=True, tokenize=False
-    )
-    prompt_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    turns = [
-        encode(tokenizer, call("run_python", code="print(2**100)")),
-        encode(tokenizer, "1267650600228229401496703205376"),
-    ]
-    with ToolRunner(max_workers=2, timeout=30.0) as runner:
-        loop = ToolLoop(
-            ToolCallFormat(tokenizer),
-            runner,
-            eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id,
-            max_completion_length=1024,
-            max_model_len=8192,
-        )
-        result = loop.run(
-            ScriptedEngine(turns),
-            GenerationConfig(),
-            None,
-            prompt_ids,
-            torch.ones_like(prompt_ids),
-            [tools],
-        )
-    tool_message = result.completions[0][1]
-    assert tool_message == {"role": "tool", "name": "run_python", "content": str(2**100)}
-    assert result.calls == [1] and result.failures == [0]

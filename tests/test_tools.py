@@ -1,6 +1,7 @@
 """Tools and environments (`trl_grpo_ext.tools`): TRL's contract for `tools=` and
 `environment_factory`, and the runner that executes a batch's tool calls concurrently under a
-timeout. CPU only, no model."""
+timeout; `run_python` as a tool at the end (its sandbox: test_run_python.py). CPU only, no
+model."""
 
 from __future__ import annotations
 
@@ -10,15 +11,23 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from agent_helpers import ScriptedEngine, encode, needs_trl_1_16, qwen3_tokenizer
+from agent_helpers import call as qwen3_call
 from test_layout import PACKAGE, imported_modules, module_files, outside
+from transformers import GenerationConfig
+from transformers.utils import get_json_schema
 
+from trl_grpo_ext.generation.multi_turn import ToolCallFormat, ToolLoop
 from trl_grpo_ext.tools import (
     Environments,
+    PythonSandbox,
     ToolResult,
     ToolRunner,
     ToolSet,
     append_observation,
     environment_prompt,
+    run_python,
     tool_counts,
     tool_message,
     tool_metrics,
@@ -485,3 +494,52 @@ def test_tools_need_trl_1_16(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.7.0")
     with pytest.raises(ImportError, match=r"trl>=1\.16.*trl 1\.7\.0 is installed"):
         ToolCallFormat(build_tiny_tokenizer())
+
+
+# --- run_python as a tool (its sandbox: test_run_python.py) -------------------------------
+
+
+def test_run_python_is_a_tool_described_by_its_docstring():
+    schema = get_json_schema(run_python)["function"]
+    assert schema["name"] == "run_python"
+    assert schema["parameters"]["required"] == ["code"]
+    assert schema["parameters"]["properties"]["code"]["type"] == "string"
+    # an instance with other limits is the same tool
+    assert get_json_schema(PythonSandbox(cpu_seconds=1))["function"] == schema
+    assert ToolSet([PythonSandbox()]).names == ["run_python"]
+    assert run_python("print(6 * 7)") == "42"
+
+
+@needs_trl_1_16
+def test_the_model_calls_run_python_and_reads_its_output():
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([run_python])
+    messages = [{"role": "user", "content": "What is 2**100?"}]
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools.functions, add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    turns = [
+        encode(tokenizer, qwen3_call("run_python", code="print(2**100)")),
+        encode(tokenizer, "1267650600228229401496703205376"),
+    ]
+    with ToolRunner(max_workers=2, timeout=30.0) as runner:
+        loop = ToolLoop(
+            ToolCallFormat(tokenizer),
+            runner,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            max_completion_length=1024,
+            max_model_len=8192,
+        )
+        result = loop.run(
+            ScriptedEngine(turns),
+            GenerationConfig(),
+            None,
+            prompt_ids,
+            torch.ones_like(prompt_ids),
+            [tools],
+        )
+    tool_message = result.completions[0][1]
+    assert tool_message == {"role": "tool", "name": "run_python", "content": str(2**100)}
+    assert result.calls == [1] and result.failures == [0]
