@@ -258,6 +258,37 @@ def test_rollout_func_samples_with_trls_contract(tmp_path):
         trainer.generate_rollouts(rows)
 
 
+def test_rollout_func_fields_that_are_not_lists_reach_every_completion(tmp_path):
+    """As TRL merges them: a field that is not a list is every completion's; a list is one value
+    per completion (a list of another length stays an error, never a silent shift)."""
+
+    def rollout_func(prompts, trainer):
+        n = len(prompts)
+        return {
+            "prompt_ids": [[5, 6]] * n,
+            "completion_ids": [[10, trainer.processing_class.eos_token_id]] * n,
+            "logprobs": None,
+            "episode_stats": {"steps": 3},
+            "env_name": "maze",
+            "score": [float(i) for i in range(n)],
+        }
+
+    seen = {}
+
+    def reads_fields(completions, episode_stats, env_name, score, **kwargs):
+        seen.update(stats=episode_stats, names=env_name, score=score)
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(
+        tmp_path, rollout_func=rollout_func, reward_funcs=reads_fields, num_generations=2
+    )
+    rollout = trainer.generate_rollouts([{"prompt": "1+1="}, {"prompt": "2+2="}])
+    trainer.score_rollouts(rollout)
+    assert seen["stats"] == [{"steps": 3}] * 4
+    assert seen["names"] == ["maze"] * 4
+    assert seen["score"] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_tools_with_a_template_that_cannot_call_them_fail_at_construction(tmp_path):
     with pytest.raises(ValueError, match="cannot render a tool call"):
         make_trainer(tmp_path, tools=[add])  # the tiny model's plain ChatML template
@@ -434,3 +465,82 @@ def test_held_out_evaluation_samples_through_the_tools_and_scores_the_last_answe
     assert "[divide] {'error'" in report.samples[1]["completion"]
     # greedy: 2 rollouts in 2 rounds; sampled: 4 rollouts in 2 rounds
     assert [len(contexts) for contexts in engine.prompts] == [2, 2, 4, 4]
+
+
+def test_a_stop_string_ends_a_turn_with_tools_and_no_padding_is_trained(tmp_path):
+    """An engine stops a row at a stop string and pads it (no eos): the turn ends at the token
+    that completes the stop, nothing after it is trained, and the rollout counts as ended."""
+    trainer = tool_trainer(
+        tmp_path,
+        tools=[add],
+        reward_funcs=rewards_by_length,
+        max_steps=1,
+        mask_truncated_completions=True,  # a rollout wrongly marked truncated would get no gradient
+        generation_kwargs={"stop": ["</answer>"]},
+    )
+    tokenizer = trainer.processing_class
+    turn, call_ids, _ = calls_then_answers(tokenizer)
+    answer_ids = tokenizer("<answer>5</answer>", add_special_tokens=False)["input_ids"]
+    pad = tokenizer.pad_token_id
+    assert pad not in (tokenizer.eos_token_id, *answer_ids)
+
+    def stops_at_the_answer(context):
+        ids = turn(context)
+        return ids if ids == call_ids else answer_ids + [pad, pad]  # as `generate` pads a stop
+
+    trainer.rollouts.engine = ScriptedEngine(stops_at_the_answer)
+    recording = Recording(trainer)
+    trainer.train()
+
+    suffix = trainer.rollouts.tool_loop.format.result_ids(
+        [{"role": "tool", "name": "add", "content": "5"}]
+    )
+    batch = recording.batches[0]
+    sampled = call_ids + suffix + answer_ids
+    assert batch["completion_ids"].shape[1] == len(sampled)
+    for row in range(len(batch["completion_ids"])):
+        assert batch["completion_ids"][row].tolist() == sampled
+    answer = slice(len(call_ids) + len(suffix), len(sampled))
+    assert batch["completion_mask"][:, answer].eq(1).all()  # ended, not truncated: trained
+    logged = trainer.state.log_history[0]
+    assert logged["completions/clipped_ratio"] == 0.0
+    assert logged["completions/mean_length"] == len(call_ids) + len(answer_ids)
+
+
+@pytest.mark.parametrize("max_staleness", [None, 1])
+def test_stop_strings_with_tools_on_the_transformers_engine_train_no_padding(
+    tmp_path, max_staleness
+):
+    """The tiny model samples bytes; single-character stops end most turns early, while other
+    rows of the batch go on (and the engine pads the stopped ones). Every trained token is one
+    the model sampled before its turn's end; a row with a stop in its text ends right there."""
+    stops = ["a", "e", "o", " "]
+    trainer = tool_trainer(
+        tmp_path,
+        tools=[add],
+        reward_funcs=rewards_by_length,
+        max_steps=2,
+        max_completion_length=24,
+        generation_kwargs={"stop": stops},
+        max_staleness=max_staleness,
+    )
+    tokenizer, pad = trainer.processing_class, trainer.processing_class.pad_token_id
+    recording = Recording(trainer)
+    trainer.train()
+    rows = 0
+    for batch in recording.batches:
+        for ids, mask in zip(batch["completion_ids"], batch["completion_mask"]):
+            trained = ids[mask.bool()].tolist()
+            assert pad not in trained
+            text = tokenizer.decode(trained, skip_special_tokens=False)
+            if any(stop in text for stop in stops):
+                shorter = tokenizer.decode(trained[:-1], skip_special_tokens=False)
+                assert not any(stop in shorter for stop in stops)  # ended at its first stop
+            rows += 1
+    assert rows > 0
+    stopped = [
+        log["completions/clipped_ratio"]
+        for log in trainer.state.log_history
+        if "completions/clipped_ratio" in log
+    ]
+    assert stopped and max(stopped) < 1.0

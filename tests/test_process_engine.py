@@ -41,21 +41,23 @@ def in_this_process(model, prompts, config, seed):
             )
     finally:
         torch.set_num_threads(threads)
-    mask, _ = completion_mask_from_ids(completion_ids, config.eos_token_id)
-    return prompt_ids, prompt_mask, completion_ids, logps * mask
+    return prompt_ids, prompt_mask, completion_ids, logps
 
 
-def assert_same_batch(got, want):
+def assert_same_batch(got, want, eos_token_ids):
+    """The same tokens, and the same log-probs up to each completion's end (after it, what an
+    engine returns is not part of the completion: `rollout.CompletionEnds` cuts it)."""
     for got_ids, want_ids in zip(got[:3], want[:3]):
         assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(got[3], want[3])
+    mask, _ = completion_mask_from_ids(want[2], eos_token_ids)
+    torch.testing.assert_close(got[3] * mask, want[3] * mask)
 
 
 def test_samples_what_transformers_samples_here_with_the_same_seed(setup):
     model, config, prompts, engine = setup
     got = engine.generate(*prompts, config, seed=7)
     assert got[2].shape[0] == len(PROMPTS) * 3
-    assert_same_batch(got, in_this_process(model, prompts, config, seed=7))
+    assert_same_batch(got, in_this_process(model, prompts, config, seed=7), config.eos_token_id)
 
 
 def test_published_parameters_are_the_ones_it_samples_with(setup):
@@ -68,7 +70,7 @@ def test_published_parameters_are_the_ones_it_samples_with(setup):
     assert publisher.version == 1
     after = engine.generate(*prompts, config, seed=3)
     assert not torch.equal(before[3], after[3])  # the weights did change
-    assert_same_batch(after, in_this_process(other, prompts, config, seed=3))
+    assert_same_batch(after, in_this_process(other, prompts, config, seed=3), config.eos_token_id)
 
 
 def test_a_snapshot_is_the_weights_when_it_was_taken(setup):
@@ -83,7 +85,9 @@ def test_a_snapshot_is_the_weights_when_it_was_taken(setup):
         for parameter in model.parameters():
             parameter.sub_(1.0)
     assert_same_batch(
-        engine.generate(*prompts, config, seed=5), in_this_process(model, prompts, config, 5)
+        engine.generate(*prompts, config, seed=5),
+        in_this_process(model, prompts, config, 5),
+        config.eos_token_id,
     )
 
 
@@ -94,7 +98,9 @@ def test_a_failure_in_the_process_is_raised_here_and_the_engine_goes_on(setup):
     with pytest.raises(RuntimeError, match="rollout worker failed:(.|\n)*IndexError"):
         engine.generate(out_of_vocabulary, prompt_mask, config, seed=1)
     assert_same_batch(
-        engine.generate(*prompts, config, seed=2), in_this_process(model, prompts, config, 2)
+        engine.generate(*prompts, config, seed=2),
+        in_this_process(model, prompts, config, 2),
+        config.eos_token_id,
     )
 
 

@@ -1,5 +1,6 @@
 """The public override points: a user replaces one step of the algorithm in a few lines."""
 
+import pytest
 import torch
 from trainer_helpers import logged, make_trainer, right_digit
 
@@ -44,3 +45,66 @@ def test_score_rollouts_override_sees_the_rollout(tmp_path):
     trainer = make_trainer(tmp_path, trainer_class=ShortIsGood, max_completion_length=4)
     trainer.train()
     assert logged(trainer, "reward")[0] <= -1
+
+
+class Overridden(GroupRelativeTrainer):
+    """Counts its calls and marks every rollout it returns with a column of its own."""
+
+    calls = 0
+
+    def generate_rollouts(self, rows):
+        type(self).calls += 1
+        rollout = super().generate_rollouts(rows)
+        rollout.columns["mark"] = ["seen"] * len(rollout)
+        return rollout
+
+
+def marked(completions, mark, **kwargs):
+    assert mark == ["seen"] * len(completions)
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("max_staleness", [None, 0, 1])
+def test_a_generate_rollouts_override_runs_in_every_mode(tmp_path, max_staleness):
+    """Synchronous (the transformers engine in this process) and asynchronous (the process
+    worker, sampling ahead with max_staleness 0 or 1): every generation batch goes through the
+    override, and what it changed reaches the reward functions."""
+    Overridden.calls = 0
+    trainer = make_trainer(
+        tmp_path,
+        trainer_class=Overridden,
+        reward_funcs=marked,
+        max_steps=3,
+        max_staleness=max_staleness,
+    )
+    trainer.train()
+    assert Overridden.calls == 3
+    if max_staleness is not None:
+        assert len(logged(trainer, "async/staleness")) == 3
+
+
+class Prefixed(GroupRelativeTrainer):
+    """Changes the rows before the parent samples them."""
+
+    def generate_rollouts(self, rows):
+        return super().generate_rollouts([{**row, "prompt": "0" + row["prompt"]} for row in rows])
+
+
+def prompt_starts_with_zero(prompts, completions, **kwargs):
+    assert all(prompt.startswith("0") for prompt in prompts), prompts
+    return [1.0] * len(completions)
+
+
+def test_rows_changed_by_an_override_are_sampled_even_when_sent_ahead(tmp_path):
+    """With max_staleness 1 the worker samples the next batch from the loader's rows; an override
+    that changes them gets its own rows sampled (with a warning that the overlap is lost)."""
+    trainer = make_trainer(
+        tmp_path,
+        trainer_class=Prefixed,
+        reward_funcs=prompt_starts_with_zero,
+        max_steps=3,
+        max_staleness=1,
+    )
+    with pytest.warns(UserWarning, match="generate_rollouts received other rows"):
+        trainer.train()
+    assert logged(trainer, "async/staleness") == [0.0, 0.0, 0.0]

@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 from .generation import PromptEncoder, sampling_config
 from .generation.engines import in_eval_mode
-from .generation.rollout import completion_mask_from_ids, eos_token_ids
+from .generation.rollout import CompletionEnds, eos_token_ids
 from .generation.transformers_engine import TransformersEngine
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
@@ -159,6 +159,7 @@ def generate(
     engine = engine or TransformersEngine(lambda: in_eval_mode(model))
     encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
     eos_ids = eos_token_ids(model, tokenizer)
+    ends = CompletionEnds.of(eos_ids)  # where completions end, as in training
     greedy = temperature is None
     config = sampling_config(
         max_new_tokens=max_new_tokens,
@@ -181,21 +182,16 @@ def generate(
                 ids = turns.completion_ids[row : row + samples]
                 outputs.append(turns.completions[row : row + samples])
                 counts.append([len(sample) for sample in ids])
-                truncated.append([not sample or sample[-1] not in eos_ids for sample in ids])
+                truncated.append([not ended for ended in turns.ended[row : row + samples]])
             continue
         prompt_ids, prompt_mask = encoder.encode(prompts[start : start + step])  # (B, P)
         _, _, completion_ids, _ = engine.generate(prompt_ids, prompt_mask, config)  # (B * n, T)
-        mask, cut = completion_mask_from_ids(completion_ids, eos_ids)
-        lengths = mask.sum(dim=1).tolist()
-        decoded = [
-            tokenizer.decode(ids[:length], skip_special_tokens=True)
-            for ids, length in zip(completion_ids.tolist(), lengths)
-        ]
-        cut = cut.tolist()
+        ids, _, ended = ends.cut(completion_ids)
+        decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
         for row in range(0, len(decoded), samples):
             outputs.append(decoded[row : row + samples])
-            counts.append(lengths[row : row + samples])
-            truncated.append(cut[row : row + samples])
+            counts.append([len(sample) for sample in ids[row : row + samples]])
+            truncated.append([not end for end in ended[row : row + samples]])
     return outputs, counts, truncated
 
 

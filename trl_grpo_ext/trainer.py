@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch.utils.data import DataLoader
@@ -239,8 +240,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     def generate_rollouts(self, rows: list[dict]) -> Rollout:
         """Samples `num_generations` completions for each dataset row (one generation batch).
 
-        Called in the synchronous mode; with `max_staleness` set, the rollout worker samples
-        instead and an override of this method is not used.
+        Called for every generation batch in every mode. With `max_staleness` set, the batch
+        comes from the rollout worker, which sampled it ahead from the same rows; an override
+        that changes the rows before calling this method has them sampled again, now.
 
         Args:
             rows (`list[dict]`): dataset rows, each with a `prompt`.
@@ -408,14 +410,16 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return no_grad_logprobs(self._token_logprobs, model, tensors, chunk_size)
 
     def _sample(self, rows: list[dict], index: int, round_index: int = 0) -> Rollout:
-        """One generation batch: in this process (synchronous) or from the rollout worker."""
+        """Generation batch `index` through `generate_rollouts`, in every mode: sampled now
+        from its own seed (synchronous), or taken from the rollout worker (`max_staleness`)."""
         args = self.args
-        if args.max_staleness is None:
-            seed = generation_seed(args.seed, args.process_index, index, round_index)
-            with seeded(seed, self.accelerator.device):
-                return self.generate_rollouts(rows)
-        rollout, staleness = self.rollouts.consume(rows, index, self.state.global_step, round_index)
-        self._metrics["async/staleness"].append(float(staleness))
+        seed = generation_seed(args.seed, args.process_index, index, round_index)
+        synchronous = args.max_staleness is None
+        with self.rollouts.scheduled(index, round_index) as batch:
+            with seeded(seed, self.accelerator.device) if synchronous else nullcontext():
+                rollout = self.generate_rollouts(rows)
+        if batch.staleness is not None:
+            self._metrics["async/staleness"].append(float(batch.staleness))
         return rollout
 
     def _make_generation_batch(self, rows: list[dict], index: int = 0) -> list[dict]:

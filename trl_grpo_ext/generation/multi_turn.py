@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from .rollout import completion_mask_from_ids, left_padded
+from .rollout import CompletionEnds, left_padded
 
 MIN_TRL = "1.16"  # the TRL whose tool-calling contract and response templates this follows
 
@@ -150,6 +150,8 @@ class Turns:
             `tool` results.
         calls (`list[int]`): tool calls each rollout made; `failures` of them came back as
             errors.
+        ended (`list[bool]`): whether each rollout's last turn ended (eos or a stop string);
+            False: truncated.
     """
 
     completion_ids: list[list[int]]
@@ -158,16 +160,7 @@ class Turns:
     completions: list[list[dict]]
     calls: list[int]
     failures: list[int]
-
-
-def _turns_of(completion_ids, logps, eos_token_ids) -> tuple[list, list | None]:
-    """Each row's sampled tokens up to and including its first eos, and their log-probs."""
-    mask, _ = completion_mask_from_ids(completion_ids, eos_token_ids)
-    lengths = mask.sum(dim=1).tolist()
-    ids = [row[:length] for row, length in zip(completion_ids.tolist(), lengths)]
-    if logps is None:
-        return ids, None
-    return ids, [row[:length] for row, length in zip(logps.tolist(), lengths)]
+    ended: list[bool]
 
 
 class ToolLoop:
@@ -179,6 +172,8 @@ class ToolLoop:
             rollout, a list of `(tools, tool_call)` pairs, returns per rollout a list of results
             (`.message()` is the `tool` message, `.failed` an error result).
         eos_token_ids (`list[int]`): the tokens that end a turn.
+        stop_strings (`list[str]`, *optional*): strings that end a turn too
+            (`rollout.CompletionEnds`, the rule every path applies).
         pad_token_id (`int`): pads prompts handed to the engine.
         max_completion_length (`int`): the budget of every turn and tool result together.
         max_model_len (`int`): the engine's longest sequence; a result that would reach it is
@@ -192,6 +187,7 @@ class ToolLoop:
         runner,
         *,
         eos_token_ids: list[int],
+        stop_strings: list[str] | None = None,
         pad_token_id: int,
         max_completion_length: int,
         max_model_len: int,
@@ -199,6 +195,7 @@ class ToolLoop:
     ):
         self.format, self.runner = format, runner
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
+        self.stop_strings = stop_strings
         self.max_completion_length, self.max_model_len = max_completion_length, max_model_len
         self.max_iterations = max_iterations
 
@@ -228,9 +225,10 @@ class ToolLoop:
         """
         config = copy.deepcopy(generation_config)
         config.num_return_sequences = 1  # every rollout continues its own history
+        ends = CompletionEnds.of(self.eos_token_ids, self.stop_strings, self.format.tokenizer)
         _, _, completion_ids, logps = engine.generate(prompt_ids, prompt_mask, config, seed)
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
-        ids, logps = _turns_of(completion_ids, logps, self.eos_token_ids)
+        ids, logps, ended = ends.cut(completion_ids, logps)
         turns = Turns(
             completion_ids=ids,
             tool_mask=[[1] * len(row) for row in ids],
@@ -241,6 +239,7 @@ class ToolLoop:
             ],
             calls=[0] * len(ids),
             failures=[0] * len(ids),
+            ended=ended,
         )
         active = [
             i for i, messages in enumerate(turns.completions) if messages[-1].get("tool_calls")
@@ -286,11 +285,12 @@ class ToolLoop:
             _, _, new_ids, new_logps = engine.generate(
                 prompt, mask, config, None if seed is None else seed + rounds
             )
-            new_ids, new_logps = _turns_of(new_ids, new_logps, self.eos_token_ids)
+            new_ids, new_logps, new_ended = ends.cut(new_ids, new_logps)
             active = []
             for row, i in enumerate(continuing):
                 left = self.max_completion_length - len(turns.completion_ids[i])
                 sampled = new_ids[row][:left]
+                turns.ended[i] = new_ended[row] and len(new_ids[row]) <= left
                 turns.completion_ids[i] += sampled
                 turns.tool_mask[i] += [1] * len(sampled)
                 if turns.logps is not None:

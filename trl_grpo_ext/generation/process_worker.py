@@ -21,7 +21,6 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from .rollout import completion_mask_from_ids
 from .transformers_engine import generate_with_transformers, seeded
 
 
@@ -29,14 +28,9 @@ def sample_batch(model, prompts, generation_config, seed):
     """Samples one generation batch and the behaviour log-probs of its tokens (from the
     sampling pass's own logits, as a server backend such as vLLM reports them)."""
     with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
-        prompt_ids, prompt_mask, completion_ids, behaviour_logps = generate_with_transformers(
+        return generate_with_transformers(
             model, *prompts, generation_config=generation_config, return_logprobs=True
         )
-    eos = generation_config.eos_token_id
-    completion_mask, _ = completion_mask_from_ids(
-        completion_ids, eos if isinstance(eos, list) else [eos]
-    )
-    return prompt_ids, prompt_mask, completion_ids, behaviour_logps * completion_mask
 
 
 def _worker_main(model, threads, requests, results):

@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -41,14 +42,8 @@ from .engines import EngineWorker, WeightPublisher, build_engine
 from .multi_turn import ToolCallFormat, ToolLoop, Turns
 from .process_worker import ParameterPublisher, ProcessEngine
 from .prompts import PromptEncoder, is_conversational
-from .rollout import (
-    Rollout,
-    completion_mask_from_ids,
-    left_padded,
-    pad_rollout,
-    rollout_from_lists,
-)
-from .sampling import end_at_stop_strings, sampling_config_from_args
+from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
+from .sampling import sampling_config_from_args
 from .transformers_engine import TransformersEngine, generation_seed
 
 
@@ -105,11 +100,14 @@ class RolloutProducer:
                 format,
                 agent.runner,
                 eos_token_ids=eos_token_ids,
+                stop_strings=self.generation_config.stop_strings,
                 pad_token_id=tokenizer.pad_token_id,
                 max_completion_length=args.max_completion_length,
                 max_model_len=_max_model_len(args, model(), self.engine),
                 max_iterations=args.max_tool_calling_iterations,
             )
+        stops = self.generation_config.stop_strings
+        self.ends = CompletionEnds.of(eos_token_ids, stops, tokenizer)
         if isinstance(self.engine, TransformersEngine):
             self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
         self.publisher: WeightPublisher | None = None
@@ -126,6 +124,9 @@ class RolloutProducer:
         self._threads_before: int | None = None
         self._engine_worker: EngineWorker | None = None  # while it owns the engine
         self._started: dict[int, tuple[list, list | None]] = {}  # index -> (prompts, environments)
+        self._requested_rows: dict[int, list[dict]] = {}  # index -> the rows it was asked for
+        self._scheduled: ScheduledBatch | None = None  # set by `scheduled`
+        self._warned_rows_changed = False
 
     # ------------------------------------------------------------ synchronous
 
@@ -137,12 +138,33 @@ class RolloutProducer:
         if self.publisher is not None:
             self.publisher.publish(version)
 
+    @contextlib.contextmanager
+    def scheduled(self, index: int, round_index: int = 0):
+        """A block in which the next `generate` call is generation batch `index` (sampling
+        round `round_index`) of the training schedule: the trainer calls the public
+        `generate_rollouts` inside it in every mode, so an override of it always runs. In
+        asynchronous mode that `generate` takes the batch from the rollout worker (`consume`);
+        the record yielded then holds its staleness. Synchronous mode samples now, as outside
+        the block."""
+        record = ScheduledBatch(index, round_index)
+        self._scheduled = record
+        try:
+            yield record
+        finally:
+            self._scheduled = None
+
     def generate(self, rows: list[dict], version: int) -> Rollout:
-        """Samples `self.sampling.num_return_sequences` completions per row, now, with the
-        weights of `version` (the current ones). transformers samples from the global generator
-        (seeded by the caller); an engine with its own weights gets a seed drawn from it.
-        While the asynchronous worker owns the engine (`evaluate()` during training), the
-        sampling runs on the worker's thread, in turn with its batches."""
+        """Samples `self.sampling.num_return_sequences` completions per row with the weights of
+        `version` (the current ones): now, or, for the batch of a `scheduled` block in
+        asynchronous mode, from the rollout worker (generated up to `max_staleness` steps
+        earlier). transformers samples from the global generator (seeded by the caller); an
+        engine with its own weights gets a seed drawn from it. While the asynchronous worker
+        owns the engine (`evaluate()` during training), the sampling runs on the worker's
+        thread, in turn with its batches."""
+        batch, self._scheduled = self._scheduled, None  # a scheduled batch is taken once
+        if batch is not None and self.args.max_staleness is not None:
+            rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
+            return rollout
         seed = None
         if self.publisher is not None:
             seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -201,33 +223,34 @@ class RolloutProducer:
     def build_rollout(
         self, rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
     ) -> Rollout:
-        """A `Rollout` from sampled token ids: masks, decoded text, columns per completion."""
+        """A `Rollout` from an engine's `(N, T)` output: each completion cut where it ends
+        (`CompletionEnds`), decoded, the columns repeated per completion."""
         group_size = len(completion_ids) // len(rows)
-        prompts = [row["prompt"] for row in rows]
-        completion_mask, is_truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
-        if self.sampling.stop_strings:  # a stop string ends a completion as an eos does
-            completion_mask, stopped = end_at_stop_strings(
-                self.tokenizer, completion_ids, completion_mask, self.sampling.stop_strings
-            )
-            is_truncated = is_truncated & ~stopped
-        pad = self.tokenizer.pad_token_id
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)  # (N, T)
-        rollout = Rollout(
-            prompts=[prompt for prompt in prompts for _ in range(group_size)],
-            completions=[],
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            is_truncated=is_truncated,
-            group_size=group_size,
-            columns=_columns(rows, group_size),
-            behaviour_logps=behaviour_logps,
-            policy_version=version,
+        prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+        ids, logps, ended = self.ends.cut(completion_ids, behaviour_logps)
+        return self._assemble(
+            rows, prompts, prompt_ids, prompt_mask, ids, ended, logps=logps, version=version
         )
-        rollout = self._padded(rollout)
-        rollout.completions = self._decoded(prompts[0], rollout.completion_id_lists())
-        return rollout
+
+    def _assemble(self, rows, prompts, prompt_ids, prompt_mask, ids, ended, **fields) -> Rollout:
+        """`rollout.assemble_rollout` with this run's padding, decoding (unless `completions`
+        are given) and the rows' columns (with `columns` added to them)."""
+        group_size = len(ids) // len(rows)
+        completions = fields.pop("completions", None) or self._decoded(prompts[0], ids)
+        columns = {**_columns(rows, group_size), **fields.pop("columns", {})}
+        return assemble_rollout(
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            ids,
+            ended,
+            completions,
+            columns=columns,
+            group_size=group_size,
+            pad_token_id=self.tokenizer.pad_token_id,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+            **fields,
+        )
 
     def _generate_turns(self, rows, version, engine, seed, slot=0) -> Rollout:
         """Multi-turn rollouts: each of the G rollouts of a row has its own prompt (its
@@ -254,16 +277,14 @@ class RolloutProducer:
         self, rows, group, prompts, prompt_ids, prompt_mask, turns, environments, version
     ) -> Rollout:
         """The `Rollout` of a multi-turn batch from its `Turns`."""
-        rollout = rollout_from_lists(
+        rollout = self._assemble(
+            rows,
             prompts,
             prompt_ids,
             prompt_mask,
             turns.completion_ids,
-            turns.completions,
-            columns=_columns(rows, group),
-            group_size=group,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
+            turns.ended,
+            completions=turns.completions,
             logps=turns.logps,
             tool_mask=turns.tool_mask,
             version=version,
@@ -271,7 +292,7 @@ class RolloutProducer:
         rollout.tool_calls = torch.tensor(turns.calls)
         rollout.tool_failures = torch.tensor(turns.failures)
         rollout.environments = environments
-        return self._padded(rollout)
+        return rollout
 
     def from_rollout_func(self, rows, rollout_func, version: int) -> Rollout:
         """The rollout a user's `rollout_func(prompts)` sampled (TRL's, the trainer bound as
@@ -289,6 +310,8 @@ class RolloutProducer:
             raise ValueError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
         extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids")}
         logps, tool_mask = extra.pop("logprobs"), extra.pop("env_mask", None)
+        # A field that is not a list (`env_name: "maze"`) is every completion's, as in TRL.
+        extra = {k: v if isinstance(v, list) else [v] * len(prompts) for k, v in extra.items()}
         for key, values in [("prompt_ids", output["prompt_ids"]), *extra.items()]:
             if len(values) != len(prompts):
                 raise ValueError(
@@ -297,21 +320,25 @@ class RolloutProducer:
                 )
         prompt_ids, prompt_mask = left_padded(output["prompt_ids"], self.tokenizer.pad_token_id)
         completion_ids = [list(ids) for ids in output["completion_ids"]]
-        rollout = rollout_from_lists(
+        # Kept whole (tool results may sit between its turns); a trailing pad ends one too.
+        ends = CompletionEnds.of(
+            [*self.eos_token_ids, self.tokenizer.pad_token_id],
+            self.ends.stop_strings,
+            self.tokenizer,
+        )
+        ended = [ends.finished(ids) for ids in completion_ids]
+        return self._assemble(
+            rows,
             prompts,
             prompt_ids,
             prompt_mask,
             completion_ids,
-            self._decoded(prompts[0], completion_ids),
-            columns={**_columns(rows, group), **extra},
-            group_size=group,
-            eos_token_ids=[*self.eos_token_ids, self.tokenizer.pad_token_id],
-            pad_token_id=self.tokenizer.pad_token_id,
+            ended,
+            columns=extra,
             logps=logps,
             tool_mask=tool_mask,
             version=version,
         )
-        return self._padded(rollout)
 
     def _decoded(self, prompt, completion_ids: list[list[int]]) -> list:
         """Completions as text: strings, or one assistant message each when the prompts are
@@ -321,13 +348,6 @@ class RolloutProducer:
             decoded = [[{"role": "assistant", "content": text}] for text in decoded]
         return decoded
 
-    def _padded(self, rollout: Rollout) -> Rollout:
-        if self.args.pad_to_multiple_of:
-            rollout = pad_rollout(
-                rollout, self.args.pad_to_multiple_of, self.tokenizer.pad_token_id
-            )
-        return rollout
-
     # ----------------------------------------------------------- asynchronous
 
     def pull(self, epoch_iterator, num_batches: int) -> list[list[dict]]:
@@ -335,6 +355,7 @@ class RolloutProducer:
         in the lookahead so the rollout worker can generate them in advance."""
         if epoch_iterator is not self._lookahead_source:
             self._lookahead_source, self._lookahead, self._upcoming = epoch_iterator, [], {}
+            self._requested_rows = {}
         wanted = num_batches * (self.args.max_staleness + 1)
         self._lookahead.extend(
             itertools.islice(epoch_iterator, max(wanted - len(self._lookahead), 0))
@@ -356,14 +377,11 @@ class RolloutProducer:
         pipeline = self._pipeline()
         seed = generation_seed(args.seed, args.process_index, index, round_index)
         if round_index > 0:
-            extra = -(index * (args.max_resample_rounds + 1) + round_index)  # never a step
-            request = self._request(rows, extra, seed, slot="resample")
-            batch, staleness = pipeline.generate_now(
-                extra, version, _snapshotted_by_the_worker, *request
-            )
-            index = extra
+            batch, staleness = self._generate_now(rows, index, round_index, version, seed)
+            index = batch.index
         else:
             self._upcoming = {i: v for i, v in self._upcoming.items() if i >= index}
+            self._requested_rows = {i: v for i, v in self._requested_rows.items() if i >= index}
             step_rows = [rows] + self._lookahead[:: args.gradient_accumulation_steps]
             for ahead, batch_rows in enumerate(step_rows):
                 if index + ahead not in self._upcoming:
@@ -373,7 +391,14 @@ class RolloutProducer:
                     self._upcoming[index + ahead] = self._request(
                         batch_rows, index + ahead, batch_seed, slot
                     )
+                    self._requested_rows[index + ahead] = batch_rows
             batch, staleness = pipeline.consume(index, _snapshotted_by_the_worker, self._upcoming)
+            if self._requested_rows.pop(index) != rows:
+                # An override of `generate_rollouts` changed the rows after they were sent ahead.
+                self._warn_rows_changed()
+                self._started.pop(index, None)
+                batch, staleness = self._generate_now(rows, index, 0, version, seed)
+                index = batch.index
         self.staleness_counts[staleness] = self.staleness_counts.get(staleness, 0) + 1
         if batch.turns is not None:
             prompts, environments = self._started.pop(index)
@@ -397,6 +422,25 @@ class RolloutProducer:
             batch.version,
         )
         return rollout, staleness
+
+    def _generate_now(self, rows, index: int, round_index: int, version: int, seed: int):
+        """A batch outside the schedule from the current weights (a dynamic-sampling round, or
+        rows changed after they were sent ahead), under an index no step has."""
+        extra = -(index * (self.args.max_resample_rounds + 1) + round_index) - 1
+        request = self._request(rows, extra, seed, slot="resample")
+        return self.pipeline.generate_now(extra, version, _snapshotted_by_the_worker, *request)
+
+    def _warn_rows_changed(self) -> None:
+        if not self._warned_rows_changed:
+            self._warned_rows_changed = True
+            warnings.warn(
+                "generate_rollouts received other rows than the data loader's (an override "
+                "changed them) while max_staleness is set: the batches the rollout worker sampled "
+                "ahead from the loader's rows are sampled again now from the rows given, so "
+                "generation no longer overlaps training. Change the rows in the dataset "
+                "(dataset.map) instead, or change the rollout after super().generate_rollouts.",
+                stacklevel=4,
+            )
 
     def _request(self, rows, index: int, seed: int, slot) -> tuple:
         """What the worker is sent for batch `index`: `(prompts, seed)`, and for a multi-turn
@@ -476,6 +520,16 @@ class RolloutProducer:
         self.restored = None
         self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
         return self.pipeline
+
+
+@dataclass
+class ScheduledBatch:
+    """A generation batch of the training schedule (`RolloutProducer.scheduled`); `staleness`
+    is set once it came from the rollout worker (asynchronous mode)."""
+
+    index: int
+    round_index: int = 0
+    staleness: int | None = None
 
 
 def _columns(rows: list[dict], group: int) -> dict[str, list]:

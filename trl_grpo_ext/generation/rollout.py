@@ -137,51 +137,129 @@ def left_padded(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, tor
 
 def right_padded(rows: list[list], value, dtype=None) -> torch.Tensor:
     """Lists as a right-padded `(N, T)` tensor (`value` after each row)."""
-    width = max(len(row) for row in rows)
+    width = max([len(row) for row in rows] + [1])  # one column at least: all rows may be empty
     return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows], dtype=dtype)
 
 
-def rollout_from_lists(
-    prompts,
-    prompt_ids,
-    prompt_mask,
+@dataclass(frozen=True)
+class CompletionEnds:
+    """The one rule for where a sampled turn ends, whichever engine sampled it and whichever path
+    (single-turn, multi-turn, a `rollout_func`, evaluation) assembles it.
+
+    A turn ends at its first eos token, or at the token that completes its first stop string
+    (`generation_kwargs={"stop": [...]}`), that token kept; whatever an engine put after it (its
+    padding, or tokens sampled on past a stop) is not part of the completion. A turn that reached
+    neither is truncated.
+
+    Attributes:
+        eos_token_ids (`tuple[int, ...]`): the tokens that end a turn.
+        stop_strings (`tuple[str, ...]`): the stop strings; empty for none.
+        tokenizer (*optional*): decodes turns to find stop strings (special tokens included, as
+            `generate` and the vLLM engines match them); needed only with stop strings.
+    """
+
+    eos_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: object = None
+
+    @classmethod
+    def of(cls, eos_token_ids, stop_strings=None, tokenizer=None) -> CompletionEnds:
+        if stop_strings and tokenizer is None:
+            raise ValueError("Ending completions at stop strings needs the tokenizer.")
+        return cls(tuple(eos_token_ids), tuple(stop_strings or ()), tokenizer)
+
+    def cut(
+        self, completion_ids: torch.Tensor, logps: torch.Tensor | None = None
+    ) -> tuple[list[list[int]], list[list[float]] | None, list[bool]]:
+        """Each row of an engine's `(N, T)` output up to its end, its log-probs cut alike, and
+        whether it ended (True) or was truncated (False)."""
+        from .sampling import end_at_stop_strings
+
+        mask, no_eos = completion_mask_from_ids(completion_ids, list(self.eos_token_ids))
+        ended = ~no_eos  # (N,)
+        if self.stop_strings:
+            mask, stopped = end_at_stop_strings(
+                self.tokenizer, completion_ids, mask, list(self.stop_strings)
+            )
+            ended = ended | stopped
+        lengths = mask.sum(dim=1).tolist()
+        ids = [row[:length] for row, length in zip(completion_ids.tolist(), lengths)]
+        if logps is not None:
+            logps = [row[:length] for row, length in zip(logps.tolist(), lengths)]
+        return ids, logps, ended.tolist()
+
+    def finished(self, ids: list[int]) -> bool:
+        """Whether a whole completion (a `rollout_func`'s) ended rather than being truncated: its
+        last token is an eos, or completes a stop string."""
+        if not ids:
+            return False
+        if ids[-1] in self.eos_token_ids:
+            return True
+        if not self.stop_strings:
+            return False
+
+        def text(tokens):
+            return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+        return not any(s in text(ids[:-1]) for s in self.stop_strings) and any(
+            s in text(ids) for s in self.stop_strings
+        )
+
+
+def assemble_rollout(
+    prompts: list,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     completion_ids: list[list[int]],
+    ended: list[bool],
     completions: list,
     *,
     columns: dict[str, list],
     group_size: int,
-    eos_token_ids: list[int],
     pad_token_id: int,
     logps: list[list] | None = None,
     tool_mask: list[list[int]] | None = None,
     version: int = 0,
+    pad_to_multiple_of: int | None = None,
 ) -> Rollout:
-    """A `Rollout` from completions of any length, each kept whole (multi-turn rollouts, whose
-    turns each end with an eos, and a user's `rollout_func`). A completion is truncated when
-    its last token is not one of `eos_token_ids`. Log-probs that are None (vLLM's for a NaN)
-    become NaN."""
-    lengths = torch.tensor([len(ids) for ids in completion_ids])
-    positions = torch.arange(max(int(lengths.max()), 1)).unsqueeze(0)
+    """The one function that turns sampled ids into a `Rollout`, for every generation path.
+
+    Each completion is kept whole as given (already cut where it ends, `CompletionEnds`): the
+    mask covers exactly its tokens, so no padding is ever trained; `ended[i]` False marks it
+    truncated. Log-probs that are None (vLLM's for a NaN) become NaN; the tool mask is 1 on the
+    model's own tokens.
+
+    Args:
+        prompts (`list`): the prompt of each completion (repeated per group).
+        prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts, `(N, P)`.
+        completion_ids (`list[list[int]]`): each completion's tokens, no padding.
+        ended (`list[bool]`): whether each completion ended (eos or stop string).
+        completions (`list`): the decoded completions (strings or messages).
+        pad_to_multiple_of (`int`, *optional*): pad both widths to a multiple of it.
+    """
+    lengths = torch.tensor([len(ids) for ids in completion_ids])  # (N,)
+    positions = torch.arange(max(int(lengths.max()), 1)).unsqueeze(0)  # (1, T)
     behaviour = None
     if logps is not None:
         rows = [[float("nan") if x is None else x for x in row] for row in logps]
-        behaviour = right_padded(rows, 0.0, torch.float32)
-    return Rollout(
+        behaviour = right_padded(rows, 0.0, torch.float32)  # (N, T)
+    rollout = Rollout(
         prompts=prompts,
         completions=completions,
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=right_padded(completion_ids, pad_token_id, torch.long),
-        completion_mask=(positions < lengths.unsqueeze(1)).long(),
-        is_truncated=torch.tensor(
-            [not len(ids) or ids[-1] not in eos_token_ids for ids in completion_ids]
-        ),
+        completion_ids=right_padded(completion_ids, pad_token_id, torch.long),  # (N, T)
+        completion_mask=(positions < lengths.unsqueeze(1)).long(),  # (N, T)
+        is_truncated=~torch.tensor(ended, dtype=torch.bool).reshape(-1),
         group_size=group_size,
         columns=columns,
         behaviour_logps=behaviour,
         policy_version=version,
         tool_mask=None if tool_mask is None else right_padded(tool_mask, 1, torch.long),
     )
+    if pad_to_multiple_of:
+        rollout = pad_rollout(rollout, pad_to_multiple_of, pad_token_id)
+    return rollout
 
 
 def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
