@@ -87,3 +87,27 @@ def test_the_walk_allows_generation_and_logprobs():
     names = imported_modules(source, "trl_grpo_ext.generation.engines")
     assert names == {"trl_grpo_ext.generation.rollout", "trl_grpo_ext.logprobs", "torch"}
     assert not outside(names, GENERATION_MAY_IMPORT)
+
+
+def private_attributes_used(source: str, owners: tuple[str, ...]) -> set[str]:
+    """`owner._name` and `owner.attribute._name` attributes read or written in `source`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in owners:
+                found.add(f"{base.id}.{node.attr}")
+    return found
+
+
+def test_checkpoints_use_the_public_methods_of_trainer_and_producer():
+    """Rollout state goes in and out of a checkpoint through `trainer.rollout_state()` and
+    `load_rollout_state` (and the producer's `state`/`load_state`), never private fields."""
+    source = (PACKAGE / "checkpoints.py").read_text()
+    assert private_attributes_used(source, ("trainer",)) == set()
+    # the walk does find such uses
+    assert private_attributes_used("trainer.rollouts._restored = 1", ("trainer",)) == {
+        "trainer._restored"
+    }

@@ -294,7 +294,7 @@ def load_rollout_state(
 # ------------------------------------------------------------------------ the trainer's side
 
 
-def _inside_window(global_step: int, args) -> bool:
+def inside_window(global_step: int, args) -> bool:
     """Whether optimizer step `global_step` falls inside a generation window (the next step
     trains on buffered micro-batches rather than sampling a new generation batch)."""
     window = args.steps_per_generation * args.num_iterations
@@ -302,26 +302,16 @@ def _inside_window(global_step: int, args) -> bool:
 
 
 def save_trainer_rollout_state(trainer, output_dir: str) -> None:
-    """Writes a `GroupRelativeTrainer`'s rollout state into its checkpoint: its buffered
-    generation batch (inside a window), the batches in flight, and the metrics and staleness
-    counts not logged yet. Every process writes its own."""
-    args, step = trainer.args, trainer.state.global_step
-    state = RolloutState(
-        global_step=step,
-        micro_batches=trainer._buffer if _inside_window(step, args) else None,
-        in_flight=trainer.rollouts.in_flight(),
-        metrics=dict(trainer._metrics),
-        staleness_counts=trainer.rollouts.staleness_counts,
-        not_kept=trainer.rollouts.not_kept(),
-    )
-    save_rollout_state(output_dir, state, args.process_index, args.world_size)
+    """Writes a `GroupRelativeTrainer`'s rollout state (`trainer.rollout_state()`) into its
+    checkpoint. Every process writes its own."""
+    args = trainer.args
+    save_rollout_state(output_dir, trainer.rollout_state(), args.process_index, args.world_size)
 
 
 def restore_trainer_rollout_state(trainer, checkpoint: str) -> None:
-    """Puts back what `save_trainer_rollout_state` saved: the buffered window, the in-flight
-    batches (served to the next rollout worker) and the metrics not logged yet. A checkpoint
-    without a rollout state (an older version) leaves an empty one, with a warning where it was
-    needed."""
+    """Puts back what `save_trainer_rollout_state` saved (`trainer.load_rollout_state`). A
+    checkpoint without a rollout state (an older version) leaves an empty one, with a warning
+    where it was needed."""
     args = trainer.args
     step = checkpoint_step(checkpoint)
     state = load_rollout_state(
@@ -329,10 +319,6 @@ def restore_trainer_rollout_state(trainer, checkpoint: str) -> None:
         trainer.accelerator.device,
         args.process_index,
         args.world_size,
-        needed=bool(_inside_window(step, args) or args.max_staleness),
+        needed=bool(inside_window(step, args) or args.max_staleness),
     ) or RolloutState(global_step=step)
-    trainer._buffer = state.micro_batches
-    trainer.rollouts.restored = state.in_flight
-    trainer._metrics.clear()
-    trainer._metrics.update(state.metrics)
-    trainer.rollouts.staleness_counts = state.staleness_counts
+    trainer.load_rollout_state(state)

@@ -27,7 +27,13 @@ from transformers import PreTrainedModel, Trainer, set_seed
 
 from . import preparation
 from .batches import split_micro_batches, training_tensors
-from .checkpoints import resolve_resume, restore_trainer_rollout_state, save_trainer_rollout_state
+from .checkpoints import (
+    RolloutState,
+    inside_window,
+    resolve_resume,
+    restore_trainer_rollout_state,
+    save_trainer_rollout_state,
+)
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .eval_rewards import mean_rewards
@@ -563,6 +569,22 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self.rollouts.close()
+
+    def rollout_state(self) -> RolloutState:
+        """What the next optimizer steps train on beyond weights, optimizer and data position:
+        the buffered generation batch (inside a window), the metrics not logged yet, and the
+        producer's `state()` (batches in flight). Each checkpoint holds it (`checkpoints.py`)."""
+        step = self.state.global_step
+        buffered = self._buffer if inside_window(step, self.args) else None
+        metrics = dict(self._metrics)
+        return RolloutState(step, buffered, metrics=metrics, **self.rollouts.state())
+
+    def load_rollout_state(self, state: RolloutState) -> None:
+        """Puts back a `rollout_state()`, before `train` resumes from its checkpoint."""
+        self._buffer = state.micro_batches
+        self._metrics.clear()
+        self._metrics.update(state.metrics)
+        self.rollouts.load_state(state.in_flight, state.staleness_counts)
 
     def _save_rng_state(self, output_dir: str) -> None:
         """Also writes the rollout state (`checkpoints.save_trainer_rollout_state`): here every

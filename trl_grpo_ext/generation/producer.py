@@ -116,7 +116,7 @@ class RolloutProducer:
             weakref.finalize(self, self.publisher.close)
         self.pipeline: RolloutPipeline | None = None
         self._process_engine: ProcessEngine | None = None  # the asynchronous worker's, if any
-        self.restored: dict | None = None  # in-flight batches of a checkpoint, for the worker
+        self._restored: dict | None = None  # in-flight batches of a checkpoint, for the worker
         self.staleness_counts: dict[int, int] = {}
         self._lookahead: list[list[dict]] = []  # prompt batches of the coming steps
         self._lookahead_source = None
@@ -464,6 +464,22 @@ class RolloutProducer:
         worker = self.pipeline.worker if self.pipeline is not None else None
         return worker.not_kept() if isinstance(worker, ResumableWorker) else []
 
+    def state(self) -> dict:
+        """What a checkpoint holds of the producer: `in_flight` (the batches the rollout worker
+        was asked for and not consumed; waits for them), `not_kept` (multi-turn ones among them,
+        which cannot be stored) and `staleness_counts` (not logged yet)."""
+        return {
+            "in_flight": self.in_flight(),
+            "not_kept": self.not_kept(),
+            "staleness_counts": dict(self.staleness_counts),
+        }
+
+    def load_state(self, in_flight: dict, staleness_counts: dict[int, int]) -> None:
+        """Puts back what `state` returned: the next rollout worker serves the `in_flight`
+        batches instead of sampling them again (when asked for the same prompts and seed)."""
+        self._restored = dict(in_flight)
+        self.staleness_counts = dict(staleness_counts)
+
     def close(self) -> None:
         """Stops the rollout worker (the engine stays, for evaluation and the next `train`)."""
         if self.pipeline is not None:
@@ -516,8 +532,8 @@ class RolloutProducer:
         if engine is self.engine:
             self._engine_worker = worker  # it owns the engine: evaluations sample on its thread
         # Its in-flight batches go into checkpoints (`in_flight`).
-        worker = ResumableWorker(worker, restored=self.restored)
-        self.restored = None
+        worker = ResumableWorker(worker, restored=self._restored)
+        self._restored = None
         self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
         return self.pipeline
 
