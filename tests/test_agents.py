@@ -405,10 +405,19 @@ def test_evaluate_runs_multi_turn_rollouts_and_scores_their_environments(tmp_pat
         tmp_path, environment_factory=Counter, reward_funcs=None, dataset=Dataset.from_list(rows)
     )
     trainer.eval_dataset = Dataset.from_list(rows)
-    turn, _, _ = calls_then_answers(trainer.processing_class, call("increment", step=2))
+    turn, call_ids, answer_ids = calls_then_answers(
+        trainer.processing_class, call("increment", step=2)
+    )
     trainer.rollouts.engine = ScriptedEngine(turn)
     metrics = trainer.evaluate()
     assert metrics["eval_rewards/Counter/mean"] == 0.5  # target 2 is reached, 3 is not
+    # TRL's evaluation metrics: each rollout called the tool once; lengths are the model's tokens
+    assert metrics["eval_tools/call_frequency"] == 1.0
+    assert metrics["eval_tools/failure_frequency"] == 0.0
+    assert metrics["eval_completions/mean_length"] == len(call_ids) + len(answer_ids)
+    assert metrics["eval_completions/clipped_ratio"] == 0.0
+    assert metrics["eval_reward_std"] == pytest.approx(torch.tensor([1.0, 1, 0, 0]).std().item())
+    assert trainer.state.log_history[-1]["eval_tools/call_frequency"] == 1.0
 
 
 def test_prompts_whose_tool_schemas_do_not_fit_are_an_error_not_a_cut(tmp_path):

@@ -415,12 +415,32 @@ def test_metrics_use_trl_names(tmp_path, capsys):
         "reward", "reward_std", "rewards/odd_first_byte/mean", "rewards/odd_first_byte/std",
         "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
         "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
-        "num_tokens", "loss", "grad_norm", "learning_rate",
+        "num_tokens", "loss", "grad_norm", "learning_rate", "completions/mean_terminated_length",
+        "completions/min_terminated_length", "completions/max_terminated_length",
     ]  # fmt: skip
     assert [key for key in expected if key not in entry] == []
     assert entry["num_tokens"] > 0 and 0 <= entry["completions/clipped_ratio"] <= 1
     printed = capsys.readouterr().out
     assert "prompt" in printed and "completion" in printed and "odd_first_byte" in printed
+
+
+def test_reward_std_is_trls_over_the_batch_and_terminated_lengths_leave_truncated_out():
+    from trl.trainer.utils import nanstd
+
+    from trl_grpo_ext.metrics import length_metrics, reward_metrics
+
+    rewards = torch.tensor([[0.0], [1.0], [0.0], [1.0]])  # two groups of 2
+    metrics = reward_metrics(rewards, torch.ones(1), group_size=2, names=["r"])
+    # Hand computation: batch mean 0.5, unbiased variance 4 * 0.25 / 3; within each group 0.5
+    assert metrics["reward_std"] == pytest.approx((1 / 3) ** 0.5)  # 0.5774
+    assert metrics["reward_std"] == pytest.approx(nanstd(rewards[:, 0]).item())  # as TRL
+    assert metrics["reward_std_in_groups"] == pytest.approx(0.5**0.5)  # 0.7071
+    lengths = length_metrics(torch.tensor([3, 5, 8]), torch.tensor([False, True, False]))
+    assert lengths["completions/mean_terminated_length"] == 5.5
+    assert lengths["completions/min_terminated_length"] == 3.0
+    assert lengths["completions/max_terminated_length"] == 8.0
+    none_ended = length_metrics(torch.tensor([4, 4]), torch.tensor([True, True]))
+    assert none_ended["completions/mean_terminated_length"] == 0.0  # TRL's value when none ended
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -14,9 +14,11 @@ from .objective import weighted_rewards
 def reward_metrics(
     rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]
 ) -> dict[str, float]:
-    """`reward`, `reward_std` (the mean std within groups), `frac_reward_zero_std` and, per
+    """`reward`, `reward_std` (over the whole batch, as TRL), `frac_reward_zero_std` and, per
     reward function, `rewards/<name>/mean` and `/std` over the rows where it applied: NaN when
-    it applied to none (the std: to fewer than two), as TRL logs them.
+    it applied to none (the std: to fewer than two), as TRL logs them. Also
+    `reward_std_in_groups`, the mean standard deviation within groups: the spread the
+    group-relative advantage divides by.
 
     Args:
         rewards (`torch.Tensor`): `(N, F)` rewards of all processes, NaN for "not applicable".
@@ -24,12 +26,14 @@ def reward_metrics(
     """
     total = weighted_rewards(rewards, weights.to(rewards.device))  # (N,)
     group_std = total.view(-1, group_size).std(dim=1)  # (groups,)
+    nan = float("nan")
+    scored = total[~total.isnan()]
     metrics = {
         "reward": total.nanmean().item(),
-        "reward_std": group_std.nanmean().item(),
+        "reward_std": scored.std().item() if len(scored) > 1 else nan,
+        "reward_std_in_groups": group_std.nanmean().item(),
         "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
     }
-    nan = float("nan")
     for index, name in enumerate(names):
         column = rewards[:, index]
         valid = column[~column.isnan()]
@@ -39,14 +43,22 @@ def reward_metrics(
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """`completions/{mean,min,max}_length` and `completions/clipped_ratio` (the fraction that
-    hit `max_completion_length`), from `(N,)` lengths and truncation flags of all processes."""
+    """`completions/{mean,min,max}_length`, `completions/clipped_ratio` (the fraction that
+    hit `max_completion_length`) and `completions/{mean,min,max}_terminated_length` (of those
+    that ended; 0 when none did, as TRL), from `(N,)` lengths and truncation flags of all
+    processes."""
     lengths = lengths.float()
+    terminated = lengths[~truncated.bool()]
+    if len(terminated) == 0:
+        terminated = lengths.new_zeros(1)
     return {
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
     }
 
 
