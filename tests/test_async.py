@@ -91,7 +91,7 @@ class ThreadWorker:
             self.messages.append(message)
             self.condition.notify_all()
 
-    def update_weights(self, version, weights):
+    def update_weights(self, version):
         self._put(("weights", version))
 
     def submit(self, index, prompt_texts, seed):
@@ -124,7 +124,7 @@ def test_staleness_bound_holds_for_every_consumed_batch(
     try:
         for step in range(steps):
             upcoming = {i: ([f"prompt {i}"], i) for i in range(step, steps)}
-            batch, staleness = pipeline.consume(step, dict, upcoming)
+            batch, staleness = pipeline.consume(step, upcoming)
             assert batch.index == step
             assert 0 <= step - batch.version == staleness <= max_staleness
             time.sleep(trainer_delays[step])  # the optimizer step

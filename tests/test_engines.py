@@ -12,7 +12,7 @@ from trainer_helpers import digit_sums, logged, make_trainer
 
 import trl_grpo_ext.generation.producer as producer_module
 import trl_grpo_ext.trainer as trainer_module
-from trl_grpo_ext.generation.engines import build_engine, in_eval_mode
+from trl_grpo_ext.generation.engines import WeightPublisher, build_engine, in_eval_mode
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
     generate_with_transformers,
@@ -58,9 +58,9 @@ class CopyEngine:
 def copy_engine(monkeypatch):
     engines = []
 
-    def build(args, policy, model_folder, lora_rank):
+    def build(args, policy, model, model_folder, lora_rank, tokenizer=None):
         engines.append(CopyEngine(policy))
-        return engines[-1]
+        return engines[-1], WeightPublisher(engines[-1], model, lora_rank is not None)
 
     monkeypatch.setattr(producer_module, "build_engine", build)
     return engines
@@ -145,7 +145,7 @@ def test_a_server_serves_adapters_only(tmp_path):
     args = make_trainer(tmp_path, max_steps=1).args
     args.use_vllm, args.vllm_mode = True, "server"
     with pytest.raises(ValueError, match="full fine-tuning cannot be served"):
-        build_engine(args, policy=None, model_folder=None, lora_rank=None)
+        build_engine(args, policy=None, model=None, model_folder=None, lora_rank=None)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,8 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
         world_size=world_size,
         process_index=process_index,
     )
-    engine = build_engine(args, policy=None, model_folder=None, lora_rank=8)
+    engine, publisher = build_engine(args, policy=None, model=None, model_folder=None, lora_rank=8)
+    assert publisher.engine is engine and publisher.is_adapter
     engine.publish_adapter("folder", 3)
     assert engine.base_url == "http://server:8000"
     assert [payload["lora_name"] for payload in loaded] == [name]

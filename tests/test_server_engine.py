@@ -330,7 +330,7 @@ def test_a_failed_adapter_load_stops_the_asynchronous_worker_with_its_cause(refu
         with pytest.raises(VLLMServerError, match="--enable-lora"):
             for step in range(6):
                 upcoming = {index: (prompts, index) for index in range(step, 6)}
-                pipeline.consume(step, lambda: None, upcoming)
+                pipeline.consume(step, upcoming)
         # Only the batches submitted before the failed load were generated (with k = 2, those
         # of steps up to refused + 1); none with the older adapter after it.
         assert engine.generated == (list(range(refused + 2)) if refused else [])

@@ -33,11 +33,37 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from .transformers_engine import TransformersEngine
+
+
+class Engine(Protocol):
+    """What every sampler implements: `TransformersEngine` (in this process, with the trainer's
+    weights), `ProcessEngine` (transformers in a process of its own), `VLLMColocateEngine` and
+    `VLLMServerEngine`. `build_engine` and `build_rollout_engine` build them; an engine that
+    `holds_own_weights` is kept on the trainer's weights by its publisher (`WeightPublisher`,
+    `ParameterPublisher`: `publish(version)`, or `snapshot` on the trainer's thread and `load`
+    on the worker's)."""
+
+    holds_own_weights: bool
+
+    def generate(
+        self, prompt_ids, prompt_mask, generation_config, seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(B, P)` left-padded prompts -> `(prompt_ids, prompt_mask, completion_ids,
+        behaviour_logps)` of `B*G` rows (`behaviour_logps` None when the engine samples with
+        the trainer's own weights); what follows each completion's end is cut by
+        `rollout.CompletionEnds`."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class WeightPublisher:
@@ -193,7 +219,7 @@ class EngineWorker:
         self._futures: dict[int, Future] = {}
         self._failure: BaseException | None = None  # of a weight update
 
-    def update_weights(self, version: int, weights=None) -> None:
+    def update_weights(self, version: int) -> None:
         self._raise_failure()
         snapshot = self.publisher.snapshot(version)  # now, on the trainer's thread
         self._thread.submit(self._load, snapshot, version)
@@ -394,19 +420,61 @@ def lora_rank(peft_model) -> int | None:
     )
 
 
-def build_engine(args, policy, model_folder: EngineModel | str | None, lora_rank: int | None):
-    """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings).
+def build_engine(
+    args,
+    policy,
+    model,
+    model_folder: EngineModel | str | None,
+    lora_rank: int | None,
+    tokenizer=None,
+) -> tuple[Engine, WeightPublisher | None]:
+    """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings), and the
+    publisher that keeps its weights current (None for one that samples with the trainer's own
+    weights). The one place engines are built (with `build_rollout_engine`).
 
     Args:
         policy (`Callable[[], ContextManager]`): the trainer's model for generation, as
             `TransformersEngine` takes it.
+        model (`Callable[[], nn.Module]`): the unwrapped model being trained, whose weights a
+            publisher sends.
         model_folder (`EngineModel` or `str`, *optional*): the base model of a colocated vLLM
             engine (`engine_model_folder`).
         lora_rank (`int`, *optional*): the adapters' largest rank under LoRA (vLLM reserves room
             for adapters of that rank); None for full fine-tuning.
+        tokenizer (*optional*): lets the transformers engine stop at stop strings.
     """
     if not args.use_vllm:
-        return TransformersEngine(policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+        engine = TransformersEngine(
+            policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, tokenizer=tokenizer
+        )
+        return engine, None
+    engine = _vllm_engine(args, model_folder, lora_rank)
+    return engine, WeightPublisher(engine, model, lora_rank is not None)
+
+
+def build_rollout_engine(args, engine: Engine, publisher, model):
+    """The engine of the asynchronous rollout worker (`max_staleness`) and its publisher: the
+    engine itself when it holds its own weights (vLLM), else transformers in a process of its
+    own (`ProcessEngine`) with a copy of the model, sent the trained parameters of each version.
+    Returns `(engine, publisher, owned)`; `owned`: a new engine, closed with the worker."""
+    if publisher is not None:
+        return engine, publisher, False
+    from .process_worker import ParameterPublisher, ProcessEngine
+
+    unwrapped = model()
+    if unwrapped.device.type != "cpu":
+        warnings.warn(
+            f"max_staleness is set and the model is on {unwrapped.device}: the local rollout "
+            "worker generates with a copy of the model on the CPU, which is likely slower than "
+            "synchronous generation on the accelerator. Unset max_staleness to generate there, or "
+            "generate on a vLLM server (use_vllm=True, vllm_mode='server').",
+            stacklevel=4,
+        )
+    process = ProcessEngine(unwrapped, threads=args.rollout_worker_threads)
+    return process, ParameterPublisher(process, model), True
+
+
+def _vllm_engine(args, model_folder, lora_rank):
     if args.vllm_mode == "server":
         if lora_rank is None:
             raise ValueError(

@@ -85,6 +85,11 @@ class ProcessEngine:
         )
         self._process.start()
         self._lock = threading.Lock()  # one request in flight: results come back in order
+        self._threads_before = None
+        if model.device.type == "cpu":
+            # Generation and training overlap only if they do not fight over the cores.
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads_before - threads))
 
     def load_weights(self, named_tensors) -> None:
         """Replaces the process's parameters of these names (the tensors are sent as they are:
@@ -115,6 +120,10 @@ class ProcessEngine:
         return payload
 
     def close(self) -> None:
+        """Stops the process, and gives the trainer back the CPU threads it had."""
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         if self._process.is_alive():
             self._requests.put(("stop",))
             self._process.join(timeout=10)

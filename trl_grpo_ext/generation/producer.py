@@ -38,13 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from .async_rollout import ResumableWorker, RolloutPipeline
-from .engines import EngineWorker, WeightPublisher, build_engine
+from .engines import EngineWorker, build_engine, build_rollout_engine
 from .multi_turn import ToolCallFormat, ToolLoop, Turns
-from .process_worker import ParameterPublisher, ProcessEngine
 from .prompts import PromptEncoder, is_conversational
 from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
 from .sampling import sampling_config_from_args
-from .transformers_engine import TransformersEngine, generation_seed
+from .transformers_engine import generation_seed
 
 
 class RolloutProducer:
@@ -94,7 +93,11 @@ class RolloutProducer:
             args, num_return_sequences=args.num_generations_eval or args.num_generations, **ids
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
-        self.engine = build_engine(args, policy, engine_folder, lora_rank)
+        self.engine, self.publisher = build_engine(
+            args, policy, model, engine_folder, lora_rank, tokenizer
+        )
+        if self.publisher is not None:
+            weakref.finalize(self, self.publisher.close)
         if format is not None:
             self.tool_loop = ToolLoop(
                 format,
@@ -108,20 +111,13 @@ class RolloutProducer:
             )
         stops = self.generation_config.stop_strings
         self.ends = CompletionEnds.of(eos_token_ids, stops, tokenizer)
-        if isinstance(self.engine, TransformersEngine):
-            self.engine.tokenizer = tokenizer  # lets `generate` stop at stop strings
-        self.publisher: WeightPublisher | None = None
-        if not isinstance(self.engine, TransformersEngine):
-            self.publisher = WeightPublisher(self.engine, model, lora_rank is not None)
-            weakref.finalize(self, self.publisher.close)
         self.pipeline: RolloutPipeline | None = None
-        self._process_engine: ProcessEngine | None = None  # the asynchronous worker's, if any
+        self._rollout_engine = None  # the asynchronous worker's own engine, when it has one
         self._restored: dict | None = None  # in-flight batches of a checkpoint, for the worker
         self.staleness_counts: dict[int, int] = {}
         self._lookahead: list[list[dict]] = []  # prompt batches of the coming steps
         self._lookahead_source = None
         self._upcoming: dict[int, tuple] = {}  # index -> `_request`: (prompts, seed[, tools])
-        self._threads_before: int | None = None
         self._engine_worker: EngineWorker | None = None  # while it owns the engine
         self._started: dict[int, tuple[list, list | None]] = {}  # index -> (prompts, environments)
         self._requested_rows: dict[int, list[dict]] = {}  # index -> the rows it was asked for
@@ -392,7 +388,7 @@ class RolloutProducer:
                         batch_rows, index + ahead, batch_seed, slot
                     )
                     self._requested_rows[index + ahead] = batch_rows
-            batch, staleness = pipeline.consume(index, _snapshotted_by_the_worker, self._upcoming)
+            batch, staleness = pipeline.consume(index, self._upcoming)
             if self._requested_rows.pop(index) != rows:
                 # An override of `generate_rollouts` changed the rows after they were sent ahead.
                 self._warn_rows_changed()
@@ -428,7 +424,7 @@ class RolloutProducer:
         rows changed after they were sent ahead), under an index no step has."""
         extra = -(index * (self.args.max_resample_rounds + 1) + round_index) - 1
         request = self._request(rows, extra, seed, slot="resample")
-        return self.pipeline.generate_now(extra, version, _snapshotted_by_the_worker, *request)
+        return self.pipeline.generate_now(extra, version, *request)
 
     def _warn_rows_changed(self) -> None:
         if not self._warned_rows_changed:
@@ -486,12 +482,9 @@ class RolloutProducer:
             self.pipeline.close()
             self.pipeline = None
             self._engine_worker = None
-            if self._process_engine is not None:
-                self._process_engine.close()
-                self._process_engine = None
-            if self._threads_before:
-                torch.set_num_threads(self._threads_before)
-                self._threads_before = None
+            if self._rollout_engine is not None:
+                self._rollout_engine.close()
+                self._rollout_engine = None
 
     def shutdown(self) -> None:
         """Stops the rollout worker and closes the engine: a colocated vLLM engine frees its
@@ -505,28 +498,11 @@ class RolloutProducer:
     def _pipeline(self) -> RolloutPipeline:
         if self.pipeline is not None:
             return self.pipeline
-        if self.publisher is not None:
-            # The engine generates while the trainer trains; weights go to it as published.
-            engine, publisher = self.engine, self.publisher
-        else:
-            model = self.model()
-            if model.device.type != "cpu":
-                warnings.warn(
-                    f"max_staleness is set and the model is on {model.device}: the local rollout "
-                    "worker generates with a copy of the model on the CPU, which is likely "
-                    "slower than synchronous generation on the accelerator. Unset max_staleness "
-                    "to generate there, or generate on a vLLM server (use_vllm=True, "
-                    "vllm_mode='server').",
-                    stacklevel=3,
-                )
-            # transformers in a process of its own, sent the trained parameters of each version.
-            threads = self.args.rollout_worker_threads
-            engine = self._process_engine = ProcessEngine(model, threads=threads)
-            publisher = ParameterPublisher(engine, self.model)
-            if model.device.type == "cpu":
-                # Generation and training overlap only if they do not fight over the cores.
-                self._threads_before = torch.get_num_threads()
-                torch.set_num_threads(max(1, self._threads_before - threads))
+        engine, publisher, owned = build_rollout_engine(
+            self.args, self.engine, self.publisher, self.model
+        )
+        if owned:
+            self._rollout_engine = engine
         tool_loop = None if self.tool_loop is None else self.tool_loop.with_own_tokenizer()
         worker = EngineWorker(engine, publisher, self.generation_config, tool_loop)
         if engine is self.engine:
@@ -567,12 +543,6 @@ def _max_model_len(args, model, engine) -> int:
         return min(limits)
     config = getattr(model.config, "text_config", None) or model.config
     return getattr(config, "max_position_embeddings", None) or 2**31
-
-
-def _snapshotted_by_the_worker():
-    """The weights `RolloutPipeline` would send: None, as the `EngineWorker`'s publisher takes
-    its own snapshot of each version."""
-    return None
 
 
 class _OnWorkerThread:
