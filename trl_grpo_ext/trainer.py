@@ -363,8 +363,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     # ------------------------------------------------------------------ internals
 
     def _behaviour_correction(self, batch: dict, logps: torch.Tensor):
-        """Importance weights `pi_old / mu` for rollouts sampled by another policy `mu` (a vLLM
-        engine, the asynchronous worker), and their statistics; `(None, {})` otherwise."""
+        """Importance weights `pi_old / mu` for rollouts that carry the log-probs of the policy
+        `mu` that sampled them (a vLLM engine, the asynchronous worker, a `rollout_func`), TRL's
+        `vllm_importance_sampling_*` correction whatever the sampler, and their statistics;
+        `(None, {})` otherwise."""
         if "behaviour_logps" not in batch:
             return None, {}
         old_logps = batch.get("old_logps", logps)  # pi_old
