@@ -10,6 +10,7 @@ from trl_reference import matches_trl
 
 from trl_grpo_ext import GroupRelativeConfig
 from trl_grpo_ext.config import NOT_IMPLEMENTED, TRL_DIFFERENCES
+from trl_grpo_ext.objective import LossSettings
 
 SHARED_YAML = """
 output_dir: OUTPUT
@@ -334,3 +335,33 @@ def test_deprecated_off_policy_fields_agreeing_with_trls_are_accepted(tmp_path):
         make(tmp_path, off_policy_clip=0.5)
     with pytest.raises(ValueError, match="off_policy_correction='ppo' is unknown"):
         make(tmp_path, off_policy_correction="ppo")
+
+
+def test_loss_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):
+    config_fields = {field.name: field for field in dataclasses.fields(GroupRelativeConfig)}
+    for field in dataclasses.fields(LossSettings):
+        if field.name == "max_completion_length":  # the config's is also the generation length
+            continue
+        name = "epsilon" if field.name == "epsilon_low" else field.name
+        assert config_fields[name].default is field.default, name  # written once
+    assert LossSettings.from_config(make(tmp_path)) == LossSettings(max_completion_length=256)
+    config = make(
+        tmp_path,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        loss_type="sapo",
+        beta=0.04,
+        sapo_temperature_neg=2.0,
+        off_policy_mask_threshold=0.5,
+        max_completion_length=16,
+    )
+    assert LossSettings.from_config(config) == LossSettings(
+        loss_type="sapo",
+        epsilon_low=0.1,
+        epsilon_high=0.3,
+        beta=0.04,
+        sapo_temperature_neg=2.0,
+        off_policy_mask_threshold=0.5,
+        max_completion_length=16,
+    )
+    assert LossSettings.from_config(make(tmp_path, epsilon=0.1)).epsilon_high == 0.1

@@ -26,6 +26,7 @@ from .objective import (
     LOSS_TYPES,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_MODES,
+    LossSettings,
 )
 from .off_policy import IMPORTANCE_SAMPLING_MODES, equivalent_settings
 
@@ -234,27 +235,30 @@ class GroupRelativeConfig(TrainingArguments):
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts."})
 
     # Objective
+    # The objective's defaults are written once, in `objective.LossSettings`.
     beta: float = field(
-        default=0.0,
+        default=LossSettings.beta,
         metadata={"help": "Weight of the k3 KL penalty to the reference model; 0 disables it."},
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range epsilon_low."})
+    epsilon: float = field(
+        default=LossSettings.epsilon_low, metadata={"help": "Lower clipping range epsilon_low."}
+    )
     epsilon_high: float | None = field(
-        default=None,
+        default=LossSettings.epsilon_high,
         metadata={"help": "Upper clipping range (DAPO's clip-higher); defaults to `epsilon`."},
     )
     delta: float | None = field(
-        default=None,
+        default=LossSettings.delta,
         metadata={
             "help": "Upper bound on the unclipped ratio (two-sided clipping); None disables."
         },
     )
     loss_type: str = field(
-        default="dapo",
+        default=LossSettings.loss_type,
         metadata={"help": f"Token aggregation of the loss, one of {', '.join(LOSS_TYPES)}."},
     )
     importance_sampling_level: str = field(
-        default="token",
+        default=LossSettings.importance_sampling_level,
         metadata={
             "help": "'token' (GRPO), 'sequence' (GSPO: one length-normalised ratio per sequence, "
             "as TRL) or 'sequence_token' (GSPO-token: the sequence ratio's value with per-token "
@@ -288,7 +292,7 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Exclude completions that hit max_completion_length from the loss."},
     )
     use_bias_correction_kl: bool = field(
-        default=True,
+        default=LossSettings.use_bias_correction_kl,
         metadata={
             "help": "With beta > 0, weight the per-token KL by the importance ratio pi_theta / "
             "pi_old, which makes it unbiased for off-policy tokens (TRL's default)."
@@ -302,21 +306,29 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     sapo_temperature_neg: float = field(
-        default=1.05, metadata={"help": "SAPO gate temperature for negative advantages."}
+        default=LossSettings.sapo_temperature_neg,
+        metadata={"help": "SAPO gate temperature for negative advantages."},
     )
     sapo_temperature_pos: float = field(
-        default=1.0, metadata={"help": "SAPO gate temperature for positive advantages."}
+        default=LossSettings.sapo_temperature_pos,
+        metadata={"help": "SAPO gate temperature for positive advantages."},
     )
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for positive advantages."})
+    vespo_k_pos: float = field(
+        default=LossSettings.vespo_k_pos, metadata={"help": "VESPO k for positive advantages."}
+    )
     vespo_lambda_pos: float = field(
-        default=3.0, metadata={"help": "VESPO lambda for positive advantages."}
+        default=LossSettings.vespo_lambda_pos,
+        metadata={"help": "VESPO lambda for positive advantages."},
     )
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
+    vespo_k_neg: float = field(
+        default=LossSettings.vespo_k_neg, metadata={"help": "VESPO k for negative advantages."}
+    )
     vespo_lambda_neg: float = field(
-        default=2.0, metadata={"help": "VESPO lambda for negative advantages."}
+        default=LossSettings.vespo_lambda_neg,
+        metadata={"help": "VESPO lambda for negative advantages."},
     )
     off_policy_mask_threshold: float | None = field(
-        default=None,
+        default=LossSettings.off_policy_mask_threshold,
         metadata={
             "help": "DeepSeek-V3.2 off-policy sequence masking threshold (TRL); None disables it."
         },

@@ -9,7 +9,7 @@ log-probabilities.
 
 import torch
 
-from trl_grpo_ext.objective import policy_loss
+from trl_grpo_ext.objective import LossSettings, policy_loss
 from trl_grpo_ext.off_policy import importance_sampling_stats, importance_sampling_weights
 
 # --8<-- [start:weights]
@@ -35,7 +35,9 @@ stats = importance_sampling_stats(old_logps, behaviour_logps, completion_mask, m
 print(stats["sampling/importance_sampling_ratio/mean"])  # of the weights used: 0.3
 
 logps = old_logps.clone().requires_grad_(True)  # first step after sampling: pi_theta = pi_old
-loss, _ = policy_loss(logps, old_logps, advantages, completion_mask, importance_weights=tis)
+loss, _ = policy_loss(
+    logps, old_logps, advantages, completion_mask, LossSettings(), importance_weights=tis
+)
 # --8<-- [end:weights]
 assert torch.allclose(tis, torch.tensor([[1.0, 2.0, 1.0], [1.0, 0.6, 1.0]]))
 assert torch.allclose(mis.flatten(), torch.tensor([0.0, 0.6]))
