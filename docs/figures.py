@@ -34,7 +34,7 @@ DOCS = Path(__file__).resolve().parent
 IMG = DOCS / "img"
 sys.path.insert(0, str(DOCS / "examples"))  # the toy task shared with the examples
 
-from trl_grpo_ext.objective import group_advantages, policy_loss  # noqa: E402
+from trl_grpo_ext.objective import LossSettings, group_advantages, policy_loss  # noqa: E402
 
 BLUE, ORANGE, GREY = "#1f77b4", "#ff7f0e", "#7f7f7f"
 
@@ -115,7 +115,11 @@ def clipped_surrogate_figure(options) -> Path:
             for ratio in ratios:
                 logps = torch.log(ratio).reshape(1, 1).requires_grad_(True)  # (1, 1)
                 loss, _ = policy_loss(
-                    logps, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1), **kwargs
+                    logps,
+                    torch.zeros(1, 1),
+                    torch.tensor([advantage]),
+                    torch.ones(1, 1),
+                    LossSettings(**kwargs),
                 )
                 loss.backward()
                 values.append(-loss.item())  # the surrogate that training maximises

@@ -1,5 +1,6 @@
 """Dynamic sampling and asynchronous rollouts: staleness bound, off-policy weights, learning."""
 
+import math
 import threading
 import time
 
@@ -12,50 +13,6 @@ from trainer_helpers import logged, make_trainer, right_digit
 
 from trl_grpo_ext import GroupRelativeTrainer
 from trl_grpo_ext.generation.async_rollout import GeneratedBatch, RolloutPipeline
-from trl_grpo_ext.off_policy import off_policy_weights
-
-# ----------------------------------------------------------------------------- off-policy weights
-
-
-def test_tis_truncates_at_c_and_ignores_padding():
-    behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.2], [0.4, 0.4, 0.9]]))
-    current = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.8, 0.1]]))
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    weights, stats = off_policy_weights(current, behaviour, mask, correction="tis", clip=2.0)
-    # Ratios: 1, 5 (-> 2), padding, 0.5, 2, 1/9.
-    expected = torch.tensor([[1.0, 2.0, 1.0], [0.5, 2.0, 1 / 9]])
-    torch.testing.assert_close(weights * mask, expected * mask)
-    assert weights.max() <= 2.0
-    assert stats["off_policy/weight_max"] == pytest.approx(5.0)
-    assert stats["off_policy/clipped_fraction"] == pytest.approx(1 / 5)
-
-
-@given(st.lists(st.floats(-5, 5), min_size=4, max_size=4), st.floats(1.0, 4.0))
-def test_tis_never_exceeds_c(log_ratios, clip):
-    current = torch.tensor([log_ratios])
-    weights, _ = off_policy_weights(current, torch.zeros(1, 4), torch.ones(1, 4), clip=clip)
-    assert weights.max().item() <= clip + 1e-6
-
-
-def test_mis_zeroes_exactly_the_out_of_range_sequences():
-    behaviour = torch.zeros(4, 2)
-    # Sequence log-ratios: log 1, log 3, log 0.25, log 1.5 (second token is padding in row 3).
-    current = torch.log(torch.tensor([[1.0, 1.0], [1.5, 2.0], [0.5, 0.5], [1.5, 7.0]]))
-    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
-    weights, stats = off_policy_weights(
-        current, behaviour, mask, correction="mis", clip=2.0, min_weight=0.5
-    )
-    assert weights.shape == (4, 1)
-    torch.testing.assert_close(weights.flatten(), torch.tensor([1.0, 0.0, 0.0, 1.5]))
-    assert stats["off_policy/clipped_fraction"] == pytest.approx(0.5)
-
-
-def test_none_correction_gives_no_weights_but_still_stats():
-    weights, stats = off_policy_weights(
-        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), correction="none"
-    )
-    assert weights is None and stats["off_policy/weight_mean"] == 1
-
 
 # ----------------------------------------------------------------------------- staleness bound
 
@@ -150,12 +107,17 @@ def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
     assert logged(worker, "reward") == logged(sync, "reward")  # the same tokens were sampled
     # The worker's log-probs come from its sampling pass, the trainer's from a training pass:
     # equal up to float rounding, so the losses and weights agree to rounding, not bit for bit.
-    assert logged(worker, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-6)
+    # The default correction weighs each sequence by the product of its 4 token ratios, each 1 up
+    # to about 1e-6, so the losses differ by a few 1e-6.
+    assert logged(worker, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-5)
     for name, value in sync_weights.items():
         torch.testing.assert_close(worker_weights[name], value)
     # No optimizer step between generation and training: the importance weights are 1.
     # (Steps whose groups all have zero advantages skip the loss and log no weights.)
-    for key in ("off_policy/weight_mean", "off_policy/weight_max"):
+    for key in (
+        "sampling/importance_sampling_ratio/mean",
+        "sampling/importance_sampling_ratio/max",
+    ):
         values = logged(worker, key)
         assert len(values) >= 3 and values == pytest.approx([1.0] * len(values), abs=1e-5)
     assert logged(worker, "async/staleness") == [0.0] * 5
@@ -168,7 +130,54 @@ def test_async_runs_with_bounded_staleness_and_logs_it(tmp_path, max_staleness):
     assert max(staleness) == max_staleness and min(staleness) >= 0
     hist = [key for entry in trainer.state.log_history for key in entry if "staleness_hist" in key]
     assert hist
-    assert all(weight > 0 for weight in logged(trainer, "off_policy/weight_mean"))
+    assert all(weight > 0 for weight in logged(trainer, "sampling/importance_sampling_ratio/max"))
+
+
+class ShiftedBehaviour(GroupRelativeTrainer):
+    """Makes the worker's log-probs of the first completion token lower by log 2 in even rows
+    and by log 4 in odd ones, so that at staleness 0 (pi_old = mu up to rounding) the sequence
+    ratios pi_old / mu are 2 and 4."""
+
+    def score_rollouts(self, rollout):
+        assert rollout.behaviour_logps is not None  # sampled by the worker, which scores them
+        shifts = torch.tensor([math.log(2), math.log(4)]).repeat(len(rollout) // 2)  # (N,)
+        rollout.behaviour_logps[:, 0] -= shifts
+        return super().score_rollouts(rollout)
+
+
+def test_worker_rollouts_get_trls_correction_and_metrics(tmp_path, monkeypatch):
+    import trl_grpo_ext.trainer as trainer_module
+
+    calls = []
+    original = trainer_module.policy_loss
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["importance_weights"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording)
+    trainer = make_trainer(
+        tmp_path, trainer_class=ShiftedBehaviour, max_staleness=0, max_steps=2, seed=1
+    )
+    assert not trainer.args.use_vllm
+    trainer.train()
+    # TRL's default, sequence_mask with clip_max 3: ratio 2 kept, ratio 4 masked to 0.
+    assert calls
+    for weights in calls:
+        assert weights.shape == (8, 1)
+        expected = torch.tensor([[2.0], [0.0]]).repeat(4, 1)
+        torch.testing.assert_close(weights, expected, atol=1e-4, rtol=0)
+    for key, value in (
+        ("sampling/importance_sampling_ratio/min", 0.0),
+        ("sampling/importance_sampling_ratio/mean", 1.0),
+        ("sampling/importance_sampling_ratio/max", 2.0),
+        ("sampling/sampling_logp_difference/max", math.log(4)),
+    ):
+        values = logged(trainer, key)
+        assert len(values) == len(calls) and values == pytest.approx(
+            [value] * len(values), abs=1e-4
+        )
+    assert not [key for entry in trainer.state.log_history for key in entry if "off_policy" in key]
 
 
 def big_dataset():

@@ -10,6 +10,7 @@ from trl_reference import matches_trl
 
 from trl_grpo_ext import GroupRelativeConfig
 from trl_grpo_ext.config import NOT_IMPLEMENTED, TRL_DIFFERENCES
+from trl_grpo_ext.objective import LossSettings
 
 SHARED_YAML = """
 output_dir: OUTPUT
@@ -246,46 +247,121 @@ def test_pad_to_multiple_of_auto_pads_nowhere_but_neuron(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
-def test_vespo_with_sequence_level_vllm_weights_is_refused_as_in_trl(tmp_path, mode):
+@pytest.mark.parametrize("sampler", [{"use_vllm": True}, {"max_staleness": 1}])
+def test_vespo_with_sequence_level_weights_is_refused_as_in_trl(tmp_path, mode, sampler):
     # TRL 1.16's GRPOTrainer raises for loss_type="vespo" with use_vllm, the correction on and a
-    # mode other than token_truncate / token_mask (its default, sequence_mask, included).
+    # mode other than token_truncate / token_mask (its default, sequence_mask, included); the
+    # asynchronous worker's log-probs are corrected the same way.
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode to 'token_truncate' or"):
-        make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode=mode)
-    with pytest.raises(ValueError, match="off_policy_correction to 'tis' or 'none'"):
-        make(tmp_path, loss_type="vespo", off_policy_correction="mis")
+        make(tmp_path, loss_type="vespo", vllm_importance_sampling_mode=mode, **sampler)
 
 
 def test_vespo_accepts_token_level_weights_or_no_correction(tmp_path):
     for mode in ("token_truncate", "token_mask"):
         make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode=mode)
     make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=False)
-    make(tmp_path, loss_type="vespo", off_policy_correction="tis", max_staleness=1)
+    make(tmp_path, loss_type="vespo")  # synchronous: no behaviour log-probs to correct for
+    with pytest.warns(FutureWarning):
+        make(tmp_path, loss_type="vespo", off_policy_correction="tis", max_staleness=1)
 
 
+PREFIX = "vllm_importance_sampling_"
+
+
+@pytest.mark.parametrize("sampler", [{}, {"max_staleness": 1}, {"use_vllm": True}])
 @pytest.mark.parametrize(
-    ("kwargs", "instead"),
+    ("kwargs", "equivalent"),
     [
         (
             {"off_policy_correction": "mis", "off_policy_clip": 4.0},
-            "vllm_importance_sampling_mode='sequence_mask', vllm_importance_sampling_clip_min=0.5 "
-            "and vllm_importance_sampling_clip_max=4.0",
+            {"correction": True, "mode": "sequence_mask", "clip_min": 0.5, "clip_max": 4.0},
         ),
         (
-            {"off_policy_clip": 5.0},
-            "vllm_importance_sampling_mode='token_truncate' and "
-            "vllm_importance_sampling_clip_max=5.0",
+            {"off_policy_clip": 5.0},  # the old default correction, "tis"
+            {"correction": True, "mode": "token_truncate", "clip_min": None, "clip_max": 5.0},
         ),
-        ({"off_policy_correction": "none"}, "vllm_importance_sampling_correction=False"),
-        ({"off_policy_min": 0.25, "off_policy_correction": "mis"}, "clip_min=0.25"),
+        (
+            {"off_policy_correction": "tis"},
+            {"correction": True, "mode": "token_truncate", "clip_min": None, "clip_max": 2.0},
+        ),
+        ({"off_policy_correction": "none"}, {"correction": False}),
+        (
+            {"off_policy_min": 0.25, "off_policy_correction": "mis"},
+            {"mode": "sequence_mask", "clip_min": 0.25, "clip_max": 2.0},
+        ),
     ],
 )
-def test_off_policy_fields_with_vllm_are_refused_with_their_vllm_equivalent(
-    tmp_path, kwargs, instead
+def test_deprecated_off_policy_fields_set_their_trl_equivalent_with_a_warning(
+    tmp_path, sampler, kwargs, equivalent
 ):
-    # With vLLM the engine's log-probs already come from the (possibly stale) version that
-    # sampled, so TRL's vllm_importance_sampling_* fields correct for staleness too; a second
-    # correction of the same ratio would be silently ignored, so it is an error.
-    with pytest.raises(ValueError, match="has no effect with use_vllm=True") as error:
-        make(tmp_path, use_vllm=True, max_staleness=1, **kwargs)
-    assert instead in str(error.value)
-    make(tmp_path, use_vllm=True, max_staleness=1)  # the defaults are fine
+    with pytest.warns(FutureWarning, match="deprecated") as warned:
+        config = make(tmp_path, **kwargs, **sampler)
+    (message,) = [str(w.message) for w in warned if issubclass(w.category, FutureWarning)]
+    for name, value in equivalent.items():
+        assert getattr(config, PREFIX + name) == value, name
+        assert f"{PREFIX}{name}={value!r}" in message  # the warning says what to set instead
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "contradicted"),
+    [
+        ({"off_policy_correction": "tis", PREFIX + "mode": "token_mask"}, PREFIX + "mode"),
+        ({"off_policy_clip": 4.0, PREFIX + "clip_max": 2.0}, PREFIX + "clip_max"),
+        ({"off_policy_correction": "tis", PREFIX + "clip_min": 0.1}, PREFIX + "clip_min"),
+        ({"off_policy_correction": "mis", PREFIX + "correction": False}, PREFIX + "correction"),
+        ({"off_policy_correction": "mis", PREFIX + "cap": 5.0}, PREFIX + "clip_max"),
+    ],
+)
+def test_deprecated_off_policy_fields_that_contradict_trls_are_an_error(
+    tmp_path, kwargs, contradicted
+):
+    with pytest.raises(ValueError, match=f"contradicts {contradicted}="):
+        make(tmp_path, **kwargs)
+
+
+def test_deprecated_off_policy_fields_agreeing_with_trls_are_accepted(tmp_path):
+    with pytest.warns(FutureWarning):
+        config = make(
+            tmp_path,
+            off_policy_correction="tis",
+            off_policy_clip=2.5,
+            **{PREFIX + "mode": "token_truncate", PREFIX + "clip_max": 2.5},
+        )
+    assert (config.vllm_importance_sampling_mode, config.vllm_importance_sampling_clip_max) == (
+        "token_truncate",
+        2.5,
+    )
+    with pytest.raises(ValueError, match="off_policy_clip=0.5 must be >= 1"):
+        make(tmp_path, off_policy_clip=0.5)
+    with pytest.raises(ValueError, match="off_policy_correction='ppo' is unknown"):
+        make(tmp_path, off_policy_correction="ppo")
+
+
+def test_loss_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):
+    config_fields = {field.name: field for field in dataclasses.fields(GroupRelativeConfig)}
+    for field in dataclasses.fields(LossSettings):
+        if field.name == "max_completion_length":  # the config's is also the generation length
+            continue
+        name = "epsilon" if field.name == "epsilon_low" else field.name
+        assert config_fields[name].default is field.default, name  # written once
+    assert LossSettings.from_config(make(tmp_path)) == LossSettings(max_completion_length=256)
+    config = make(
+        tmp_path,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        loss_type="sapo",
+        beta=0.04,
+        sapo_temperature_neg=2.0,
+        off_policy_mask_threshold=0.5,
+        max_completion_length=16,
+    )
+    assert LossSettings.from_config(config) == LossSettings(
+        loss_type="sapo",
+        epsilon_low=0.1,
+        epsilon_high=0.3,
+        beta=0.04,
+        sapo_temperature_neg=2.0,
+        off_policy_mask_threshold=0.5,
+        max_completion_length=16,
+    )
+    assert LossSettings.from_config(make(tmp_path, epsilon=0.1)).epsilon_high == 0.1

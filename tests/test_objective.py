@@ -6,6 +6,7 @@ vectorised code must match in value and gradient, and statistical checks (the k3
 Monte-Carlo mean is the exact KL, with the arguments in the right order).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from trl_grpo_ext.objective import (
     LOSS_TYPES,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_MODES,
+    LossSettings,
     entropy_bonus,
     group_advantages,
     high_entropy_mask,
@@ -30,6 +32,15 @@ from trl_grpo_ext.objective import (
 )
 
 NAN = float("nan")
+SETTING_NAMES = {field.name for field in dataclasses.fields(LossSettings)}
+
+
+def loss_with(logps, old_logps, advantages, completion_mask, **options):
+    """`policy_loss` with `options` sorted into its `LossSettings` and its per-batch tensors, so
+    that each test names only what it changes from the defaults."""
+    loss_settings = LossSettings(**{k: v for k, v in options.items() if k in SETTING_NAMES})
+    tensors = {k: v for k, v in options.items() if k not in SETTING_NAMES}
+    return policy_loss(logps, old_logps, advantages, completion_mask, loss_settings, **tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,7 +426,7 @@ HAND_LOSSES = {
     "loss_type", [n for n, t in LOSS_TYPE_TABLE.items() if t.surrogate == "clipped"]
 )
 def test_policy_loss_by_hand(loss_type):
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         HAND_LOGPS, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK, loss_type=loss_type
     )
     assert loss.item() == pytest.approx(HAND_LOSSES[loss_type], abs=1e-6)
@@ -429,15 +440,15 @@ def test_policy_loss_by_hand(loss_type):
 
 def test_policy_loss_normalisers_by_hand():
     args = (HAND_LOGPS, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK)
-    dr_grpo, _ = policy_loss(*args, loss_type="dr_grpo", max_completion_length=4)
+    dr_grpo, _ = loss_with(*args, loss_type="dr_grpo", max_completion_length=4)
     assert dr_grpo.item() == pytest.approx(-0.2 / (2 * 4))
-    dapo, _ = policy_loss(*args, loss_type="dapo", num_items_in_batch=torch.tensor(10))
+    dapo, _ = loss_with(*args, loss_type="dapo", num_items_in_batch=torch.tensor(10))
     assert dapo.item() == pytest.approx(-0.2 / 10)
 
 
 def test_ratio_of_e_is_clipped_to_one_plus_epsilon_high():
     # torchtune's check: log-ratio 1, A = 1 -> -min(e, 1.28) = -1.28 with DAPO's clip-higher
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), epsilon_high=0.28
     )
     assert loss.item() == pytest.approx(-1.28)
@@ -446,7 +457,7 @@ def test_ratio_of_e_is_clipped_to_one_plus_epsilon_high():
 
 def _token_gradients(advantage, ratios, **kwargs):
     logps = torch.log(torch.tensor([ratios])).requires_grad_()
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         logps,
         torch.zeros(1, 3),
         torch.tensor([advantage]),
@@ -486,7 +497,7 @@ def test_sequence_level_ratio_by_hand():
     # 2^(1/3) = 1.26 > 1.2 clips the whole sequence when A > 0.
     logps = torch.tensor([[math.log(2), 0.0, 0.0]], requires_grad=True)
     args = (torch.zeros(1, 3), torch.ones(1), torch.ones(1, 3))
-    loss, stats = policy_loss(logps, *args, loss_type="bnpo", importance_sampling_level="sequence")
+    loss, stats = loss_with(logps, *args, loss_type="bnpo", importance_sampling_level="sequence")
     loss.backward()
     assert loss.item() == pytest.approx(-1.2)
     assert stats["ratio_mean"].item() == pytest.approx(2 ** (1 / 3))
@@ -494,7 +505,7 @@ def test_sequence_level_ratio_by_hand():
     assert torch.equal(logps.grad, torch.zeros(1, 3))
     # A < 0: max(1.26, 1.2) = 1.26 per token; GSPO-token gradient s / 3 on every token
     logps.grad = None
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         logps, args[0], -args[1], args[2], loss_type="bnpo", importance_sampling_level="sequence"
     )
     loss.backward()
@@ -504,7 +515,7 @@ def test_sequence_level_ratio_by_hand():
 
 def test_kl_term_by_hand():
     # On-policy (ratio 1), A = 0, pi_ref / pi = 2 on the one token: loss = beta * (2 - log 2 - 1)
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         torch.zeros(1, 1),
         None,
         torch.zeros(1),
@@ -520,7 +531,7 @@ def test_on_policy_old_logps_none_has_ratio_one_and_policy_gradient():
     # ratio exactly 1, loss -A per token, gradient -A / num_tokens per token (bnpo)
     logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
-    loss, stats = policy_loss(logps, None, advantages, torch.ones(2, 2), loss_type="bnpo")
+    loss, stats = loss_with(logps, None, advantages, torch.ones(2, 2), loss_type="bnpo")
     loss.backward()
     assert loss.item() == pytest.approx(-(2 + 2 - 1 - 1) / 4)
     assert stats["ratio_mean"].item() == 1.0
@@ -534,7 +545,7 @@ def test_cispo_by_hand():
     #   seq 1 (A = -1): +(1 * 0) + 1.2 log 1.5
     #   sum = -0.5 log 0.5 = 0.5 log 2, "dapo" normaliser 5 tokens -> 0.1 log 2 = 0.0693
     logps = HAND_LOGPS.clone().requires_grad_()
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         logps, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK, loss_type="cispo", epsilon_high=1.2
     )
     loss.backward()
@@ -554,14 +565,14 @@ def test_sapo_by_hand():
     #   seq 1 (A = -1, tau_neg = 1.05): (4 / 1.05) (sigmoid(0) + sigmoid(0.525))
     #     = 1.904762 + 2.393585, mean over 2 tokens -> 2.149174
     #   loss = (-2 + 2.149174) / 2 = 0.074587
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         HAND_LOGPS, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK, loss_type="sapo"
     )
     assert loss.item() == pytest.approx(0.0745868, abs=1e-6)
     assert set(stats) == {"ratio_mean"}
     # at ratio 1 the soft gate has the policy gradient of the clipped surrogate: d/dr = A
     logps = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss(logps, None, torch.tensor([3.0]), torch.ones(1, 2), loss_type="sapo")
+    loss, _ = loss_with(logps, None, torch.tensor([3.0]), torch.ones(1, 2), loss_type="sapo")
     loss.backward()
     assert loss.item() == pytest.approx(-2 * 3.0)  # -sigmoid(0) * 4 * A
     torch.testing.assert_close(logps.grad, torch.full((1, 2), -3.0 / 2))
@@ -575,9 +586,7 @@ def test_vespo_by_hand():
     #   loss -phi A sum_t log pi: seq 0: -1.190813 log 0.75 = 0.342576,
     #   seq 1: +1.241593 log 1.5 = 0.503423; "dapo": (0.342576 + 0.503423) / 5 = 0.169200
     logps = HAND_LOGPS.clone().requires_grad_()
-    loss, stats = policy_loss(
-        logps, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK, loss_type="vespo"
-    )
+    loss, stats = loss_with(logps, torch.zeros(2, 3), HAND_ADVANTAGES, HAND_MASK, loss_type="vespo")
     loss.backward()
     phi = (0.5625 * math.exp(0.75), 3.375 / math.e)
     assert loss.item() == pytest.approx(0.1691996, abs=1e-6)
@@ -586,13 +595,13 @@ def test_vespo_by_hand():
     torch.testing.assert_close(logps.grad, expected.float())
     assert stats["vespo/phi_seq_mean"].item() == pytest.approx(sum(phi) / 2)
     # phi(1) = 1: on-policy, VESPO is the plain policy gradient -A log pi / tokens
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         torch.full((1, 2), -1.0), None, torch.ones(1), torch.ones(1, 2), loss_type="vespo"
     )
     assert loss.item() == pytest.approx(1.0)
     # a per-sequence importance weight of 2 enters w, not the loss: seq 0 gets w = 1.5 and
     # phi = e^3 1.5^2 e^-4.5 = 2.25 e^-1.5
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         HAND_LOGPS,
         torch.zeros(2, 3),
         HAND_ADVANTAGES,
@@ -612,7 +621,7 @@ def test_sequence_and_sequence_token_differ_only_under_a_per_token_factor():
     grads = {}
     for level in ("sequence", "sequence_token"):
         logps = torch.tensor([[math.log(2), 0.0, 0.0]], requires_grad=True)
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logps,
             torch.zeros(1, 3),
             -torch.ones(1),
@@ -636,7 +645,7 @@ def test_bias_corrected_kl_by_hand():
     k3 = 0.5 + math.log(2) - 1
     for corrected, value, grad in ((True, 2 * k3, 2 * math.log(2)), (False, k3, 0.5)):
         logps = torch.full((1, 1), math.log(2), requires_grad=True)
-        loss, stats = policy_loss(
+        loss, stats = loss_with(
             logps,
             torch.zeros(1, 1),
             torch.zeros(1),
@@ -651,7 +660,7 @@ def test_bias_corrected_kl_by_hand():
         assert logps.grad.item() == pytest.approx(0.1 * grad)
     # on-policy the ratio's value is 1 but its gradient is not: 0.5 + k3 instead of 0.5
     logps = torch.full((1, 1), math.log(2), requires_grad=True)
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         logps, None, torch.zeros(1), torch.ones(1, 1), ref_logps=torch.zeros(1, 1), beta=0.1
     )
     loss.backward()
@@ -685,7 +694,7 @@ def test_entropy_mask_in_policy_loss_by_hand():
     # keep (seq 0, token 1) and (seq 1, token 1): losses -1.2 and 1.5 (see HAND_LOSSES), the
     # "bnpo" normaliser still counts all 5 tokens: (-1.2 + 1.5) / 5 = 0.06
     entropy_mask = high_entropy_mask(HAND_ENTROPY, HAND_MASK, 0.4)
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         HAND_LOGPS,
         torch.zeros(2, 3),
         HAND_ADVANTAGES,
@@ -697,10 +706,10 @@ def test_entropy_mask_in_policy_loss_by_hand():
     # the KL term is not masked: with A = 0 the loss is beta * mean k3 over all 5 tokens
     ref_logps = torch.zeros(2, 3)
     kwargs = dict(loss_type="bnpo", ref_logps=ref_logps, beta=0.1, use_bias_correction_kl=False)
-    masked, _ = policy_loss(
+    masked, _ = loss_with(
         HAND_LOGPS, None, torch.zeros(2), HAND_MASK, entropy_mask=entropy_mask, **kwargs
     )
-    unmasked, _ = policy_loss(HAND_LOGPS, None, torch.zeros(2), HAND_MASK, **kwargs)
+    unmasked, _ = loss_with(HAND_LOGPS, None, torch.zeros(2), HAND_MASK, **kwargs)
     assert masked.item() == pytest.approx(unmasked.item()) and masked.item() > 0
 
 
@@ -732,7 +741,7 @@ def test_off_policy_mask_by_hand():
         [1.0],
     ]
     # in the loss: "bnpo" keeps only seq 0's -2.7, still over 5 tokens
-    loss, _ = policy_loss(
+    loss, _ = loss_with(
         HAND_LOGPS,
         torch.zeros(2, 3),
         HAND_ADVANTAGES,
@@ -838,7 +847,7 @@ def test_policy_loss_matches_loop_reference(loss_type, level, beta, extras):
         kwargs.update(importance_weights=weights[:, :1])
 
     logps = logps.clone().requires_grad_()
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         logps,
         old_logps,
         advantages,
@@ -883,7 +892,7 @@ def test_gspo_token_equals_sequence_gspo(loss_type):
     results = []
     for level in ("sequence", "sequence_token"):
         x = logps.clone().requires_grad_()
-        loss, stats = policy_loss(
+        loss, stats = loss_with(
             x,
             old_logps,
             advantages,
@@ -919,7 +928,7 @@ def _micro_batch_losses(loss_type, level, rows_list, **extra):
 
     def run(rows):
         x = logps[rows].clone().requires_grad_()
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             x,
             old_logps[rows],
             advantages[rows],
@@ -973,7 +982,7 @@ def test_padding_values_never_leak():
     kwargs = dict(ref_logps=ref_logps, beta=0.1, importance_weights=weights)
     for level in IMPORTANCE_SAMPLING_LEVELS:
         clean_logps = logps.clone().requires_grad_()
-        clean, _ = policy_loss(
+        clean, _ = loss_with(
             clean_logps,
             old_logps,
             advantages,
@@ -983,7 +992,7 @@ def test_padding_values_never_leak():
         )
         clean.backward()
         dirty_logps = logps.masked_fill(padding, NAN).requires_grad_()
-        dirty, _ = policy_loss(
+        dirty, _ = loss_with(
             dirty_logps,
             old_logps.masked_fill(padding, -math.inf),
             advantages,
@@ -1006,7 +1015,7 @@ def test_importance_weights_are_a_constant_multiplier():
     for detach in (False, True):
         x = logps.clone().requires_grad_()
         weights = torch.exp(x - old_logps).clamp(max=2.0)  # (B, T), depends on x
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             x,
             old_logps,
             advantages,
@@ -1018,15 +1027,24 @@ def test_importance_weights_are_a_constant_multiplier():
 
 
 def test_policy_loss_validation():
-    args = (torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match="'grpo', 'bnpo', 'dr_grpo', 'dapo'"):
-        policy_loss(*args, loss_type="ppo")
+        LossSettings(loss_type="ppo")
     with pytest.raises(ValueError, match="'token', 'sequence'"):
-        policy_loss(*args, importance_sampling_level="group")
+        LossSettings(importance_sampling_level="group")
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        LossSettings(beta=-0.1)
+    args = (torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match="ref_logps"):
-        policy_loss(*args, beta=0.1)
+        policy_loss(*args, LossSettings(beta=0.1))
     with pytest.raises(ValueError, match="completion_mask"):
-        policy_loss(torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 3))
+        policy_loss(torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 3), LossSettings())
+
+
+def test_loss_settings_are_frozen_and_epsilon_high_defaults_to_epsilon_low():
+    assert LossSettings(epsilon_low=0.1).epsilon_high == 0.1
+    assert LossSettings(epsilon_low=0.1, epsilon_high=0.3).epsilon_high == 0.3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossSettings().beta = 0.1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1169,7 +1187,7 @@ def test_policy_loss_equals_trl(loss_type, level, options):
         theirs["importance_weights"] = is_ratio
 
     x = logps.clone().requires_grad_()
-    loss, stats = policy_loss(
+    loss, stats = loss_with(
         x,
         old_logps,
         advantages,

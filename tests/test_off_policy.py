@@ -1,12 +1,15 @@
-"""TRL's four importance-sampling modes for engine log-probs, by hand and against a loop."""
+"""TRL's four importance-sampling modes for behaviour log-probs, by hand and against a loop, and
+the deprecated `off_policy_*` corrections mapped onto them."""
 
 import math
 
 import pytest
 import torch
 
+from trl_grpo_ext import GroupRelativeConfig
 from trl_grpo_ext.off_policy import (
     IMPORTANCE_SAMPLING_MODES,
+    behaviour_correction,
     importance_sampling_stats,
     importance_sampling_weights,
 )
@@ -80,3 +83,80 @@ def test_unscored_tokens_are_not_corrected_and_left_out_of_the_difference():
     assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(6))
     assert stats["sampling/importance_sampling_ratio/max"].item() == pytest.approx(6.0)
     assert stats["sampling/importance_sampling_ratio/min"].item() == pytest.approx(0.5)
+
+
+# ------------------------------------- the deprecated off_policy_* corrections, through TRL's modes
+
+
+def corrected(tmp_path, logps, behaviour, mask, **fields):
+    """`behaviour_correction` as the trainer calls it, for a config with these fields."""
+    config = GroupRelativeConfig(output_dir=str(tmp_path), report_to="none", **fields)
+    return behaviour_correction(config, logps, behaviour, mask)
+
+
+def test_tis_is_token_truncate_with_clip_max_c(tmp_path):
+    behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.2], [0.4, 0.4, 0.9]]))
+    current = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.8, 0.1]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # Ratios: 1, 5 (-> 2), padding, 0.5, 2, 1/9.
+    expected = torch.tensor([[1.0, 2.0], [0.5, 2.0]])
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_mode='token_truncate'"):
+        old, _ = corrected(tmp_path, current, behaviour, mask, off_policy_correction="tis")
+    new, stats = corrected(
+        tmp_path,
+        current,
+        behaviour,
+        mask,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0,
+    )
+    for weights in (old, new):
+        torch.testing.assert_close(weights[:, :2], expected)
+        assert weights[1, 2].item() == pytest.approx(1 / 9)
+    # TRL's statistics are of the weights used, over the completion tokens.
+    assert stats["sampling/importance_sampling_ratio/max"].item() == pytest.approx(2.0)
+    assert stats["sampling/importance_sampling_ratio/min"].item() == pytest.approx(1 / 9)
+    assert stats["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(
+        (1 + 2 + 0.5 + 2 + 1 / 9) / 5
+    )
+    assert stats["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(9))
+
+
+def test_mis_is_sequence_mask_with_clip_min_and_clip_max(tmp_path):
+    behaviour = torch.zeros(4, 2)
+    # Sequence ratios: 1, 3, 0.25, 1.5 (the second token of row 3 is padding).
+    current = torch.log(torch.tensor([[1.0, 1.0], [1.5, 2.0], [0.5, 0.5], [1.5, 7.0]]))
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    expected = torch.tensor([[1.0], [0.0], [0.0], [1.5]])
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_clip_min=0.5"):
+        old, _ = corrected(
+            tmp_path, current, behaviour, mask, off_policy_correction="mis", off_policy_clip=2.0
+        )
+    new, stats = corrected(
+        tmp_path,
+        current,
+        behaviour,
+        mask,
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=2.0,
+    )  # sequence_mask is TRL's default mode
+    torch.testing.assert_close(old, expected)
+    torch.testing.assert_close(new, expected)
+    assert stats["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(2.5 / 4)
+
+
+def test_the_default_is_trls_sequence_mask_up_to_3(tmp_path):
+    behaviour = torch.zeros(3, 2)
+    current = torch.log(torch.tensor([[2.0, 1.4], [0.1, 0.2], [2.0, 2.0]]))  # 2.8, 0.02, 4
+    weights, _ = corrected(tmp_path, current, behaviour, torch.ones(3, 2))
+    torch.testing.assert_close(weights, torch.tensor([[2.8], [0.02], [0.0]]))
+
+
+def test_none_gives_no_weights_but_the_statistics(tmp_path):
+    current = torch.log(torch.tensor([[2.0, 1.0]]))
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_correction=False"):
+        weights, stats = corrected(
+            tmp_path, current, torch.zeros(1, 2), torch.ones(1, 2), off_policy_correction="none"
+        )
+    assert weights is None
+    assert stats["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(2.0)

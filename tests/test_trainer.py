@@ -505,7 +505,7 @@ def test_objective_options_reach_policy_loss(tmp_path, monkeypatch):
     original = trainer_module.policy_loss
 
     def recording(*args, **kwargs):
-        calls.append({**kwargs, "completion_mask": args[3]})
+        calls.append({**kwargs, "completion_mask": args[3], "settings": args[4]})
         return original(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
@@ -524,9 +524,12 @@ def test_objective_options_reach_policy_loss(tmp_path, monkeypatch):
     mask, completion_mask = kwargs["entropy_mask"], kwargs["completion_mask"].bool()
     kept = (mask & completion_mask).sum() / completion_mask.sum()
     assert 0.4 <= kept <= 0.6  # the upper half of the tokens by entropy
-    assert kwargs["use_bias_correction_kl"] is False
-    assert kwargs["off_policy_mask_threshold"] == 0.3
-    assert kwargs["sapo_temperature_neg"] == 2.0 and kwargs["loss_type"] == "sapo"
+    settings = kwargs["settings"]
+    assert settings.use_bias_correction_kl is False
+    assert settings.off_policy_mask_threshold == 0.3
+    assert settings.sapo_temperature_neg == 2.0 and settings.loss_type == "sapo"
+    assert settings.max_completion_length == 4
+    assert trainer.loss_settings is settings  # built once, not per micro-batch
 
 
 def test_normalize_then_sum_normalises_each_reward_in_its_group(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,9 @@ from .objective import (
     LOSS_TYPES,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_MODES,
+    LossSettings,
 )
-from .off_policy import IMPORTANCE_SAMPLING_MODES, OFF_POLICY_CORRECTIONS
+from .off_policy import IMPORTANCE_SAMPLING_MODES, equivalent_settings
 
 # Fields of `trl.GRPOConfig` whose default differs here, with the reason. `docs/coming-from-trl.md`
 # shows this table and a test checks that every other field has TRL's default.
@@ -233,27 +235,30 @@ class GroupRelativeConfig(TrainingArguments):
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts."})
 
     # Objective
+    # The objective's defaults are written once, in `objective.LossSettings`.
     beta: float = field(
-        default=0.0,
+        default=LossSettings.beta,
         metadata={"help": "Weight of the k3 KL penalty to the reference model; 0 disables it."},
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range epsilon_low."})
+    epsilon: float = field(
+        default=LossSettings.epsilon_low, metadata={"help": "Lower clipping range epsilon_low."}
+    )
     epsilon_high: float | None = field(
-        default=None,
+        default=LossSettings.epsilon_high,
         metadata={"help": "Upper clipping range (DAPO's clip-higher); defaults to `epsilon`."},
     )
     delta: float | None = field(
-        default=None,
+        default=LossSettings.delta,
         metadata={
             "help": "Upper bound on the unclipped ratio (two-sided clipping); None disables."
         },
     )
     loss_type: str = field(
-        default="dapo",
+        default=LossSettings.loss_type,
         metadata={"help": f"Token aggregation of the loss, one of {', '.join(LOSS_TYPES)}."},
     )
     importance_sampling_level: str = field(
-        default="token",
+        default=LossSettings.importance_sampling_level,
         metadata={
             "help": "'token' (GRPO), 'sequence' (GSPO: one length-normalised ratio per sequence, "
             "as TRL) or 'sequence_token' (GSPO-token: the sequence ratio's value with per-token "
@@ -287,7 +292,7 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Exclude completions that hit max_completion_length from the loss."},
     )
     use_bias_correction_kl: bool = field(
-        default=True,
+        default=LossSettings.use_bias_correction_kl,
         metadata={
             "help": "With beta > 0, weight the per-token KL by the importance ratio pi_theta / "
             "pi_old, which makes it unbiased for off-policy tokens (TRL's default)."
@@ -301,21 +306,29 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     sapo_temperature_neg: float = field(
-        default=1.05, metadata={"help": "SAPO gate temperature for negative advantages."}
+        default=LossSettings.sapo_temperature_neg,
+        metadata={"help": "SAPO gate temperature for negative advantages."},
     )
     sapo_temperature_pos: float = field(
-        default=1.0, metadata={"help": "SAPO gate temperature for positive advantages."}
+        default=LossSettings.sapo_temperature_pos,
+        metadata={"help": "SAPO gate temperature for positive advantages."},
     )
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for positive advantages."})
+    vespo_k_pos: float = field(
+        default=LossSettings.vespo_k_pos, metadata={"help": "VESPO k for positive advantages."}
+    )
     vespo_lambda_pos: float = field(
-        default=3.0, metadata={"help": "VESPO lambda for positive advantages."}
+        default=LossSettings.vespo_lambda_pos,
+        metadata={"help": "VESPO lambda for positive advantages."},
     )
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
+    vespo_k_neg: float = field(
+        default=LossSettings.vespo_k_neg, metadata={"help": "VESPO k for negative advantages."}
+    )
     vespo_lambda_neg: float = field(
-        default=2.0, metadata={"help": "VESPO lambda for negative advantages."}
+        default=LossSettings.vespo_lambda_neg,
+        metadata={"help": "VESPO lambda for negative advantages."},
     )
     off_policy_mask_threshold: float | None = field(
-        default=None,
+        default=LossSettings.off_policy_mask_threshold,
         metadata={
             "help": "DeepSeek-V3.2 off-policy sequence masking threshold (TRL); None disables it."
         },
@@ -370,18 +383,27 @@ class GroupRelativeConfig(TrainingArguments):
             "the weights that generated it. None: synchronous, no worker."
         },
     )
-    off_policy_correction: str = field(
-        default="tis",
+    off_policy_correction: str | None = field(
+        default=None,
         metadata={
-            "help": "Correction for rollouts from an older policy (asynchronous mode): 'none', "
-            "'tis' (token weights min(w, C)) or 'mis' (sequence weights, zero outside "
-            "[C_min, C_max])."
+            "help": "Deprecated: set vllm_importance_sampling_*, which correct every rollout "
+            "with behaviour log-probs. 'tis' is vllm_importance_sampling_mode='token_truncate' "
+            "with clip_max=off_policy_clip; 'mis' is 'sequence_mask' with clip_min=off_policy_min "
+            "and clip_max=off_policy_clip; 'none' is vllm_importance_sampling_correction=False."
         },
     )
-    off_policy_clip: float = field(
-        default=2.0, metadata={"help": "C of 'tis', and C_max of 'mis'."}
+    off_policy_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated: vllm_importance_sampling_clip_max (C of 'tis'; 2.0 if unset)."
+        },
     )
-    off_policy_min: float = field(default=0.5, metadata={"help": "C_min of 'mis'."})
+    off_policy_min: float | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated: vllm_importance_sampling_clip_min (of 'mis'; 0.5 if unset)."
+        },
+    )
     rollout_worker_threads: int = field(
         default=1, metadata={"help": "CPU threads of the asynchronous rollout worker."}
     )
@@ -454,10 +476,18 @@ class GroupRelativeConfig(TrainingArguments):
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
-        metadata={"help": "Correct for the mismatch between vLLM's and the trainer's log-probs."},
+        metadata={
+            "help": "Weigh the loss by pi_old / mu, for the mismatch between the policy that "
+            "sampled (mu: a vLLM engine, the asynchronous worker's older weights, a rollout_func "
+            "with logprobs) and the trainer's. The statistics are logged either way."
+        },
     )
     vllm_importance_sampling_mode: str = field(
-        default="sequence_mask", metadata={"help": "Importance-sampling correction mode."}
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask': token "
+            "or sequence ratios, clamped into [clip_min, clip_max] or set to 0 outside it."
+        },
     )
     vllm_importance_sampling_clip_max: float | None = field(
         default=3.0, metadata={"help": "Upper bound of the importance-sampling weights."}
@@ -570,8 +600,10 @@ class GroupRelativeConfig(TrainingArguments):
             fail(f"logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 (or None).")
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        if self.use_vllm:
-            self._validate_vllm(fail)
+        self._map_deprecated_off_policy_fields(fail)
+        self._validate_importance_sampling(fail)
+        if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
+            fail(f"vllm_mode={self.vllm_mode!r} is unknown; use 'colocate' or 'server'.")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
@@ -673,22 +705,6 @@ class GroupRelativeConfig(TrainingArguments):
             )
         if self.max_resample_rounds < 0:
             fail(f"max_resample_rounds={self.max_resample_rounds} must be >= 0.")
-        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            fail(
-                f"off_policy_correction={self.off_policy_correction!r} is unknown; use one of "
-                f"{list(OFF_POLICY_CORRECTIONS)}."
-            )
-        if not 0 < self.off_policy_min <= 1 <= self.off_policy_clip:
-            fail(
-                f"off_policy_min={self.off_policy_min} and off_policy_clip={self.off_policy_clip} "
-                "must satisfy 0 < off_policy_min <= 1 <= off_policy_clip."
-            )
-        if self.loss_type == "vespo" and not self.use_vllm and self.off_policy_correction == "mis":
-            # The asynchronous worker's counterpart of TRL's vLLM condition (see _validate_vllm).
-            fail(
-                "loss_type='vespo' needs per-token importance weights: set off_policy_correction "
-                "to 'tis' or 'none' (got 'mis', one weight per sequence)."
-            )
         if self.max_staleness is not None:
             if self.max_staleness < 0:
                 fail(f"max_staleness={self.max_staleness} must be >= 0 (or None for synchronous).")
@@ -704,46 +720,72 @@ class GroupRelativeConfig(TrainingArguments):
         ):
             fail(f"reward_weights={self.reward_weights} must be a list of numbers.")
 
-    def _validate_vllm(self, fail):
-        if self.vllm_mode not in ("colocate", "server"):
-            fail(f"vllm_mode={self.vllm_mode!r} is unknown; use 'colocate' or 'server'.")
+    def _map_deprecated_off_policy_fields(self, fail):
+        """`off_policy_correction`, `off_policy_clip` and `off_policy_min` corrected the
+        asynchronous worker's rollouts by a second implementation of TRL's modes; they now set
+        the `vllm_importance_sampling_*` fields they are equivalent to, with a warning, and are
+        an error next to a `vllm_importance_sampling_*` value that says otherwise."""
+        old = {
+            name: getattr(self, name)
+            for name in ("off_policy_correction", "off_policy_clip", "off_policy_min")
+            if getattr(self, name) is not None
+        }
+        if not old:
+            return
+        equivalent = equivalent_settings(
+            self.off_policy_correction or "tis",  # the old default
+            self.off_policy_clip,
+            self.off_policy_min,
+        )
+        clip = equivalent.get("vllm_importance_sampling_clip_max", 1.0)
+        low = equivalent.get("vllm_importance_sampling_clip_min")
+        if clip < 1 or (low is not None and not 0 < low <= 1):
+            fail(
+                f"off_policy_clip={clip} must be >= 1 and off_policy_min={low} in (0, 1] "
+                "(both deprecated: set vllm_importance_sampling_clip_max and _clip_min)."
+            )
+        given = ", ".join(f"{name}={value!r}" for name, value in old.items())
+        settings = ", ".join(f"{name}={value!r}" for name, value in equivalent.items())
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in equivalent.items():
+            current = getattr(self, name)
+            if current != defaults[name] and current != value:
+                fail(
+                    f"{given} (deprecated) means {settings}, which contradicts {name}="
+                    f"{current!r}. Remove the off_policy_* fields and keep the "
+                    "vllm_importance_sampling_* ones."
+                )
+        warnings.warn(
+            f"{given} is deprecated and will be removed: the correction of every rollout with "
+            f"behaviour log-probs is set by TRL's vllm_importance_sampling_* fields. Using the "
+            f"equivalent {settings}; set those instead.",
+            FutureWarning,
+            stacklevel=5,
+        )
+        for name, value in equivalent.items():
+            setattr(self, name, value)
+
+    def _validate_importance_sampling(self, fail):
         if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
             fail(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; "
                 f"use one of {list(IMPORTANCE_SAMPLING_MODES)}."
             )
-        # TRL's condition: VESPO folds the importance weights into its own sequence weight, as a
-        # sum of per-token log-weights; a weight per sequence has no tokens to sum over.
+        # TRL's condition (there with use_vllm; here wherever behaviour log-probs are expected):
+        # VESPO folds the importance weights into its own sequence weight, as a sum of per-token
+        # log-weights; a weight per sequence has no tokens to sum over.
         if (
             self.loss_type == "vespo"
+            and (self.use_vllm or self.max_staleness is not None)
             and self.vllm_importance_sampling_correction
             and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
         ):
             fail(
                 "loss_type='vespo' needs per-token importance weights: set "
                 "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (got "
-                f"{self.vllm_importance_sampling_mode!r}), as TRL requires."
+                f"{self.vllm_importance_sampling_mode!r}), as TRL requires, or "
+                "vllm_importance_sampling_correction=False."
             )
-        # With vLLM the engine's log-probs are the behaviour policy, staleness included (the
-        # version that sampled), so one ratio pi_old / mu corrects both, and TRL's
-        # vllm_importance_sampling_* fields choose how; off_policy_* would weigh it a second time.
-        clip, low = self.off_policy_clip, self.off_policy_min
-        equivalent = {
-            "tis": "vllm_importance_sampling_mode='token_truncate' and "
-            f"vllm_importance_sampling_clip_max={clip}",
-            "mis": "vllm_importance_sampling_mode='sequence_mask', "
-            f"vllm_importance_sampling_clip_min={low} and vllm_importance_sampling_clip_max={clip}",
-            "none": "vllm_importance_sampling_correction=False",
-        }
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in ("off_policy_correction", "off_policy_clip", "off_policy_min"):
-            if getattr(self, name) != defaults[name]:
-                fail(
-                    f"{name}={getattr(self, name)!r} has no effect with use_vllm=True: the "
-                    "engine's log-probs are corrected by TRL's vllm_importance_sampling_* fields, "
-                    f"stale rollouts included. Leave {name} at its default and set "
-                    f"{equivalent.get(self.off_policy_correction, equivalent['tis'])} instead."
-                )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if low is not None and high is not None and low >= high:
             fail(

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -75,6 +75,7 @@ __all__ = [
     "LOSS_TYPE_TABLE",
     "MULTI_OBJECTIVE_AGGREGATIONS",
     "SCALE_MODES",
+    "LossSettings",
     "LossType",
     "SurrogateInputs",
     "entropy_bonus",
@@ -453,8 +454,8 @@ class SurrogateInputs:
         mask (`torch.Tensor`): float completion mask, `(B, T)`.
         importance_weights (`torch.Tensor` or `None`): detached `(B, T)` or `(B, 1)` multiplier
             (e.g. an off-policy correction), 0 at padding.
-        epsilon_low, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
-        vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: the hyper-parameters of `policy_loss`.
+
+    The hyper-parameters come separately, as the [`LossSettings`] of `policy_loss`.
     """
 
     ratio: torch.Tensor
@@ -463,20 +464,14 @@ class SurrogateInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     importance_weights: torch.Tensor | None
-    epsilon_low: float
-    epsilon_high: float
-    delta: float | None
-    sapo_temperature_pos: float
-    sapo_temperature_neg: float
-    vespo_k_pos: float
-    vespo_lambda_pos: float
-    vespo_k_neg: float
-    vespo_lambda_neg: float
 
 
-# A surrogate returns the per-token loss ((B, T) or (B, 1), importance weights applied) and its
-# own detached statistics, each (B, T) or (B, 1), to be averaged by `_statistic_mean`.
-_Surrogate = Callable[[SurrogateInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# A surrogate reads the tensors and the settings, and returns the per-token loss ((B, T) or
+# (B, 1), importance weights applied) and its own detached statistics, each (B, T) or (B, 1), to
+# be averaged by `_statistic_mean`.
+_Surrogate = Callable[
+    [SurrogateInputs, "LossSettings"], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
 
 
 def _with_importance_weights(per_token_loss, inputs):
@@ -485,15 +480,16 @@ def _with_importance_weights(per_token_loss, inputs):
     return per_token_loss * inputs.importance_weights
 
 
-def _surrogate_clipped(inputs):
+def _surrogate_clipped(inputs, settings):
     # PPO / GRPO: -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho capped at delta
     ratio, advantages = inputs.ratio, inputs.advantages
-    clipped_ratio = ratio.clamp(1.0 - inputs.epsilon_low, 1.0 + inputs.epsilon_high)
-    unclipped_ratio = ratio if inputs.delta is None else ratio.clamp(max=inputs.delta)
+    low, high, delta = settings.epsilon_low, settings.epsilon_high, settings.delta
+    clipped_ratio = ratio.clamp(1.0 - low, 1.0 + high)
+    unclipped_ratio = ratio if delta is None else ratio.clamp(max=delta)
     per_token_loss = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)
     with torch.no_grad():
-        is_low = (ratio < 1.0 - inputs.epsilon_low) & (advantages < 0)
-        is_high = (ratio > 1.0 + inputs.epsilon_high) & (advantages > 0)
+        is_low = (ratio < 1.0 - low) & (advantages < 0)
+        is_high = (ratio > 1.0 + high) & (advantages > 0)
         stats = {
             "clip_ratio/low_mean": is_low,
             "clip_ratio/high_mean": is_high,
@@ -502,27 +498,28 @@ def _surrogate_clipped(inputs):
     return _with_importance_weights(per_token_loss, inputs), stats
 
 
-def _surrogate_cispo(inputs):
+def _surrogate_cispo(inputs, settings):
     # CISPO (MiniMax-M1): -sg[min(rho, eps_high)] A log pi_theta; the weight is clipped, never
     # the gradient, so every token keeps contributing. epsilon_high is the cap itself (eps_max).
-    weight = inputs.ratio.clamp(max=inputs.epsilon_high).detach()
+    cap = settings.epsilon_high
+    weight = inputs.ratio.clamp(max=cap).detach()
     per_token_loss = -weight * inputs.advantages * inputs.logps
     with torch.no_grad():
-        stats = {"cispo_clip_ratio": (inputs.ratio > inputs.epsilon_high) & (inputs.advantages > 0)}
+        stats = {"cispo_clip_ratio": (inputs.ratio > cap) & (inputs.advantages > 0)}
     return _with_importance_weights(per_token_loss, inputs), stats
 
 
-def _surrogate_sapo(inputs):
+def _surrogate_sapo(inputs, settings):
     # SAPO: a soft gate instead of the clip, -sigmoid(tau (rho - 1)) * 4 / tau * A, with
     # tau = tau_pos for A > 0 and tau_neg otherwise; value 2A/tau and gradient A at rho = 1.
     temperature = torch.where(
-        inputs.advantages > 0, inputs.sapo_temperature_pos, inputs.sapo_temperature_neg
+        inputs.advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg
     ).to(inputs.ratio.dtype)
     gate = torch.sigmoid(temperature * (inputs.ratio - 1.0)) * 4.0 / temperature
     return _with_importance_weights(-gate * inputs.advantages, inputs), {}
 
 
-def _surrogate_vespo(inputs):
+def _surrogate_vespo(inputs, settings):
     # VESPO: -sg[phi(w_i)] A log pi_theta with the Gamma weight phi(w) = e^lam w^k e^(-lam w)
     # (phi(1) = 1) of the unnormalised sequence ratio w_i = prod_t rho_t * importance weights;
     # (k, lam) depend on the sign of A. Importance weights enter w_i, not the loss.
@@ -538,8 +535,8 @@ def _surrogate_vespo(inputs):
         seq_log_ratio = seq_log_ratio + log_weights.sum(-1, keepdim=True)
     log_w = seq_log_ratio.clamp(log_floor, 20.0)  # (B, 1)
     non_negative = inputs.advantages >= 0
-    k = torch.where(non_negative, inputs.vespo_k_pos, inputs.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(non_negative, inputs.vespo_lambda_pos, inputs.vespo_lambda_neg).to(
+    k = torch.where(non_negative, settings.vespo_k_pos, settings.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(non_negative, settings.vespo_lambda_pos, settings.vespo_lambda_neg).to(
         log_w.dtype
     )
     lam = lam.clamp(min=1e-4)
@@ -621,35 +618,119 @@ LOSS_TYPE_TABLE: dict[str, LossType] = {
 LOSS_TYPES = tuple(LOSS_TYPE_TABLE)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LossSettings:
+    """The hyper-parameters of `policy_loss`, fixed for a run: the trainer builds them once from
+    its config (`LossSettings.from_config`). These defaults are the defaults of the matching
+    `GroupRelativeConfig` fields, which read them from here (TRL's defaults).
+
+    Args:
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            One of `LOSS_TYPES`; each names a surrogate and an aggregation (`LOSS_TYPE_TABLE`).
+            Clipped surrogate with the aggregations `"grpo"` (mean per sequence, then over
+            sequences), `"bnpo"` (sum / local token count), `"dr_grpo"`
+            (sum / (B * max_completion_length)), `"dapo"` (sum / `num_items_in_batch`) and
+            `"luspo"` (sum per sequence, then mean over sequences). `"cispo"`: clipped
+            importance weight times `A log pi`, aggregated as "dapo". `"sapo"`: soft sigmoid
+            gate, aggregated as "grpo". `"vespo"`: Gamma weight of the sequence ratio times
+            `A log pi`, aggregated as "dapo".
+        epsilon_low (`float`, *optional*, defaults to `0.2`):
+            Lower clip range: the ratio is clipped below at `1 - epsilon_low` (the config's
+            `epsilon`).
+        epsilon_high (`float`, *optional*):
+            Upper clip range: the ratio is clipped above at `1 + epsilon_high` (DAPO's
+            clip-higher uses 0.28). For `"cispo"` it is the cap of the weight itself (eps_max;
+            ScaleRL recommends 5.0). None (the default) means `epsilon_low`.
+        importance_sampling_level (`str`, *optional*, defaults to `"token"`):
+            One of `IMPORTANCE_SAMPLING_LEVELS`. `"token"`: `rho_t = pi_theta(o_t) / pi_old(o_t)`.
+            `"sequence"` (GSPO, as TRL): one ratio per sequence, `s_i = exp(mean_t log rho_t)`,
+            differentiated as a whole (gradient `s_i * mean_t grad log pi_theta(o_t)`).
+            `"sequence_token"` (GSPO-token; not in TRL): value `s_i` at every token, gradient
+            `s_i * grad log pi_theta(o_t)`. The two sequence levels agree unless a per-token
+            factor (importance weights, entropy mask, bias-corrected KL) multiplies the ratio.
+        delta (`float`, *optional*):
+            Two-sided clipping (clipped surrogate only): if set, the unclipped ratio is capped at
+            `delta`. Should exceed `1 + epsilon_high`.
+        beta (`float`, *optional*, defaults to `0.0`):
+            Weight of the k3 KL penalty to the reference policy; `policy_loss` then needs
+            `ref_logps`.
+        use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
+            Multiply the per-token KL by the (differentiable) importance ratio of
+            `importance_sampling_level` (DeepSeek-V3.2), so that its gradient is the unbiased
+            reverse-KL gradient for tokens sampled from `pi_old`. Changes the gradient even
+            on-policy, where the ratio's value is 1.
+        max_completion_length (`int`, *optional*):
+            For `"dr_grpo"`: the constant length normaliser. None: the padded length `T` of each
+            batch (the trainer sets the config's `max_completion_length`).
+        off_policy_mask_threshold (`float`, *optional*):
+            If set, sequences with a negative advantage whose mean KL from the sampling policy
+            exceeds it are dropped from the surrogate (`off_policy_mask`). The KL term stays.
+        sapo_temperature_pos (`float`, *optional*, defaults to `1.0`):
+            `"sapo"`: gate temperature for positive advantages.
+        sapo_temperature_neg (`float`, *optional*, defaults to `1.05`):
+            `"sapo"`: gate temperature for non-positive advantages.
+        vespo_k_pos (`float`, *optional*, defaults to `2.0`):
+            `"vespo"`: power k of the Gamma weight for non-negative advantages.
+        vespo_lambda_pos (`float`, *optional*, defaults to `3.0`):
+            `"vespo"`: decay lambda of the Gamma weight for non-negative advantages.
+        vespo_k_neg (`float`, *optional*, defaults to `3.0`):
+            `"vespo"`: power k for negative advantages.
+        vespo_lambda_neg (`float`, *optional*, defaults to `2.0`):
+            `"vespo"`: decay lambda for negative advantages.
+    """
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    max_completion_length: int | None = None
+    off_policy_mask_threshold: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPE_TABLE:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in _LOG_RATIOS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.epsilon_high is None:  # frozen: set once, here
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
+
+    @classmethod
+    def from_config(cls, args) -> LossSettings:
+        """The settings of a `GroupRelativeConfig` (or any object with its field names): its
+        `epsilon` is `epsilon_low`, every other field has the name it has here."""
+        names = [field.name for field in fields(cls) if field.name != "epsilon_low"]
+        return cls(epsilon_low=args.epsilon, **{name: getattr(args, name) for name in names})
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
+    settings: LossSettings,
     *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
     ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    use_bias_correction_kl: bool = True,
     num_items_in_batch: int | torch.Tensor | None = None,
-    max_completion_length: int | None = None,
     importance_weights: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
-    off_policy_mask_threshold: float | None = None,
     sampling_logps: torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative policy loss: a per-token surrogate and an optional k3 KL penalty,
-    aggregated over tokens, both chosen by `loss_type` (TRL 1.16's `loss_type`s).
+    aggregated over tokens, both chosen by `settings.loss_type` (TRL 1.16's `loss_type`s).
 
     Per token: `surrogate_t * w_t * e_t * k_i + beta * kl_k3(logps, ref_logps) * rho_t`, where
     the surrogate is `-min(rho_t A, clip(rho_t, 1 - epsilon_low, 1 + epsilon_high) A)` for the
@@ -670,48 +751,17 @@ def policy_loss(
             One advantage per completion, `(B,)` (shape `(B, 1)` or `(B, T)` is also accepted).
         completion_mask (`torch.Tensor`):
             1 (or True) for completion tokens and 0 for padding, `(B, T)`.
-        loss_type (`str`, *optional*, defaults to `"dapo"`):
-            One of `LOSS_TYPES`; each names a surrogate and an aggregation (`LOSS_TYPE_TABLE`).
-            Clipped surrogate with the aggregations `"grpo"` (mean per sequence, then over
-            sequences), `"bnpo"` (sum / local token count), `"dr_grpo"`
-            (sum / (B * max_completion_length)), `"dapo"` (sum / `num_items_in_batch`) and
-            `"luspo"` (sum per sequence, then mean over sequences). `"cispo"`: clipped
-            importance weight times `A log pi`, aggregated as "dapo". `"sapo"`: soft sigmoid
-            gate, aggregated as "grpo". `"vespo"`: Gamma weight of the sequence ratio times
-            `A log pi`, aggregated as "dapo".
-        epsilon_low (`float`, *optional*, defaults to `0.2`):
-            Lower clip range: the ratio is clipped below at `1 - epsilon_low`.
-        epsilon_high (`float`, *optional*, defaults to `0.2`):
-            Upper clip range: the ratio is clipped above at `1 + epsilon_high` (DAPO's
-            clip-higher uses 0.28). For `"cispo"` it is the cap of the weight itself (eps_max;
-            ScaleRL recommends 5.0).
-        importance_sampling_level (`str`, *optional*, defaults to `"token"`):
-            One of `IMPORTANCE_SAMPLING_LEVELS`. `"token"`: `rho_t = pi_theta(o_t) / pi_old(o_t)`.
-            `"sequence"` (GSPO, as TRL): one ratio per sequence, `s_i = exp(mean_t log rho_t)`,
-            differentiated as a whole (gradient `s_i * mean_t grad log pi_theta(o_t)`).
-            `"sequence_token"` (GSPO-token; not in TRL): value `s_i` at every token, gradient
-            `s_i * grad log pi_theta(o_t)`. The two sequence levels agree unless a per-token
-            factor (importance weights, entropy mask, bias-corrected KL) multiplies the ratio.
-        delta (`float`, *optional*):
-            Two-sided clipping (clipped surrogate only): if set, the unclipped ratio is capped at
-            `delta`. Should exceed `1 + epsilon_high`.
+        settings ([`LossSettings`]):
+            The hyper-parameters: loss type, clip range, importance-sampling level, KL weight,
+            and those of the other surrogates.
         ref_logps (`torch.Tensor`, *optional*):
             Log-probabilities under the reference policy, `(B, T)`; required when `beta > 0`.
-        beta (`float`, *optional*, defaults to `0.0`):
-            Weight of the k3 KL penalty to the reference policy.
-        use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
-            Multiply the per-token KL by the (differentiable) importance ratio of
-            `importance_sampling_level` (DeepSeek-V3.2), so that its gradient is the unbiased
-            reverse-KL gradient for tokens sampled from `pi_old`. Changes the gradient even
-            on-policy, where the ratio's value is 1.
         num_items_in_batch (`int` or `torch.Tensor`, *optional*):
             For the "dapo" aggregation ("dapo", "cispo", "vespo"): the number of completion tokens
             in the global batch (all micro-batches of the optimizer step, all processes).
             Defaults to the local `completion_mask` sum. With it, the losses of the micro-batches
             add up to the loss of the global batch; under DDP, which averages gradients over
             processes, the caller multiplies the loss by the number of processes.
-        max_completion_length (`int`, *optional*):
-            For `"dr_grpo"`: the constant length normaliser. Defaults to `T`.
         importance_weights (`torch.Tensor`, *optional*):
             Per-token `(B, T)` or per-sequence `(B, 1)` multiplier of the surrogate, detached
             (e.g. an off-policy correction). Not applied to the KL term. For `"vespo"` it
@@ -719,24 +769,9 @@ def policy_loss(
         entropy_mask (`torch.Tensor`, *optional*):
             Boolean `(B, T)` from `high_entropy_mask`: only these tokens carry the surrogate.
             The KL term and the normalisers still count every completion token (as TRL).
-        off_policy_mask_threshold (`float`, *optional*):
-            If set, sequences with a negative advantage whose mean KL from the sampling policy
-            exceeds it are dropped from the surrogate (`off_policy_mask`). The KL term stays.
         sampling_logps (`torch.Tensor`, *optional*):
             Log-probabilities under the policy that sampled the tokens (e.g. the generation
             engine's), `(B, T)`, for the off-policy mask. Defaults to `old_logps`.
-        sapo_temperature_pos (`float`, *optional*, defaults to `1.0`):
-            `"sapo"`: gate temperature for positive advantages.
-        sapo_temperature_neg (`float`, *optional*, defaults to `1.05`):
-            `"sapo"`: gate temperature for non-positive advantages.
-        vespo_k_pos (`float`, *optional*, defaults to `2.0`):
-            `"vespo"`: power k of the Gamma weight for non-negative advantages.
-        vespo_lambda_pos (`float`, *optional*, defaults to `3.0`):
-            `"vespo"`: decay lambda of the Gamma weight for non-negative advantages.
-        vespo_k_neg (`float`, *optional*, defaults to `3.0`):
-            `"vespo"`: power k for negative advantages.
-        vespo_lambda_neg (`float`, *optional*, defaults to `2.0`):
-            `"vespo"`: decay lambda for negative advantages.
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss, and detached scalar
@@ -749,15 +784,7 @@ def policy_loss(
         with a positive advantage) for "cispo"; `"vespo/phi_seq_mean"` for "vespo"; and `"kl"`
         (after the bias correction) when `beta > 0`.
     """
-    if loss_type not in LOSS_TYPE_TABLE:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance_sampling_level not in _LOG_RATIOS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-            f"got {importance_sampling_level!r}"
-        )
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
+    beta = settings.beta
     if beta > 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta > 0 (the KL penalty needs it)")
     if logps.dim() != 2:
@@ -790,14 +817,14 @@ def policy_loss(
     # Mask *before* exp, so that garbage at padding cannot become inf * 0 = NaN in the gradient.
     token_logps = torch.where(is_token, logps, 0.0)  # (B, T)
     log_ratio = torch.where(is_token, logps - old_logps, 0.0)  # (B, T)
-    log_weight = _LOG_RATIOS[importance_sampling_level](log_ratio, token_logps, mask)
+    log_weight = _LOG_RATIOS[settings.importance_sampling_level](log_ratio, token_logps, mask)
     ratio = torch.exp(log_weight)  # (B, T) or (B, 1)
 
     if importance_weights is not None:
         importance_weights = importance_weights.detach().to(logps.dtype)
         if importance_weights.shape[-1] > 1:  # per token: 0 at padding, whatever was there
             importance_weights = torch.where(is_token, importance_weights, 0.0)
-    surrogate_name, aggregation_name = LOSS_TYPE_TABLE[loss_type]
+    surrogate_name, aggregation_name = LOSS_TYPE_TABLE[settings.loss_type]
     per_token_loss, surrogate_stats = _SURROGATES[surrogate_name](
         SurrogateInputs(
             ratio=ratio,
@@ -806,28 +833,20 @@ def policy_loss(
             advantages=advantages,
             mask=mask,
             importance_weights=importance_weights,
-            epsilon_low=epsilon_low,
-            epsilon_high=epsilon_high,
-            delta=delta,
-            sapo_temperature_pos=sapo_temperature_pos,
-            sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos,
-            vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg,
-        )
+        ),
+        settings,
     )
-    if off_policy_mask_threshold is not None:
+    if settings.off_policy_mask_threshold is not None:
         reference = old_logps if sampling_logps is None else sampling_logps
         keep = off_policy_mask(
-            advantages, logps, reference, completion_mask, off_policy_mask_threshold
+            advantages, logps, reference, completion_mask, settings.off_policy_mask_threshold
         )
         per_token_loss = per_token_loss * keep  # (B, T) or (B, 1)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask.to(logps.dtype)  # (B, T)
     if beta > 0:
         per_token_kl = kl_k3(token_logps, torch.where(is_token, ref_logps, 0.0))  # (B, T)
-        if use_bias_correction_kl:
+        if settings.use_bias_correction_kl:
             per_token_kl = per_token_kl * ratio  # (B, T)
         per_token_loss = per_token_loss + beta * per_token_kl
     per_token_loss = torch.where(is_token, per_token_loss, 0.0)  # (B, T)
@@ -835,6 +854,7 @@ def policy_loss(
     if num_items_in_batch is None:
         num_items_in_batch = mask.sum()
     num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=logps.dtype, device=logps.device)
+    max_completion_length = settings.max_completion_length
     if max_completion_length is None:
         max_completion_length = seq_len
     max_completion_length = torch.as_tensor(

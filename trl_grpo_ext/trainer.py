@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import cached_property
 
 import torch
 from torch.utils.data import DataLoader
@@ -46,6 +47,7 @@ from .metrics import completions_table, print_completions, rollout_metrics
 from .models import load_policy, prepare_policy
 from .objective import (
     LOSS_TYPE_TABLE,
+    LossSettings,
     entropy_bonus,
     group_advantages,
     high_entropy_mask,
@@ -57,16 +59,6 @@ from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
-
-# Parameters of the SAPO and VESPO surrogates, passed from the config as they are named.
-_SURROGATE_FIELDS = (
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
 
 
 class GroupRelativeTrainer(HubMixin, Trainer):
@@ -195,6 +187,11 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         methods of each environment of `environment_factory` (`reset` and `get_reward` are not
         tools); empty without either."""
         return [] if self.agent is None else self.agent.functions
+
+    @cached_property
+    def loss_settings(self) -> LossSettings:
+        """The hyper-parameters of `objective.policy_loss`, read from `args` once, on first use."""
+        return LossSettings.from_config(self.args)
 
     # ------------------------------------------------------------------ data
 
@@ -325,29 +322,21 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 pooled_entropy=self._entropies_of_all_processes(entropy, batch["completion_mask"]),
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
+        settings = self.loss_settings
         loss, stats = policy_loss(
             logps,
             batch.get("old_logps"),
             batch["advantages"],
             batch["completion_mask"],
-            loss_type=args.loss_type,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            importance_sampling_level=args.importance_sampling_level,
-            delta=args.delta,
+            settings,
             ref_logps=batch.get("ref_logps"),
-            beta=args.beta,
             num_items_in_batch=batch["num_items_in_batch"] / args.world_size,
-            max_completion_length=args.max_completion_length,
             importance_weights=importance_weights,
-            use_bias_correction_kl=args.use_bias_correction_kl,
             entropy_mask=entropy_mask,
-            off_policy_mask_threshold=args.off_policy_mask_threshold,
             sampling_logps=batch.get("behaviour_logps"),
-            **{name: getattr(args, name) for name in _SURROGATE_FIELDS},
         )
         stats.update(off_policy_stats)
-        if LOSS_TYPE_TABLE[args.loss_type].aggregation != "dapo":
+        if LOSS_TYPE_TABLE[settings.loss_type].aggregation != "dapo":
             # The other aggregations are per-micro-batch means (see the docstring).
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
@@ -363,8 +352,10 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     # ------------------------------------------------------------------ internals
 
     def _behaviour_correction(self, batch: dict, logps: torch.Tensor):
-        """Importance weights `pi_old / mu` for rollouts sampled by another policy `mu` (a vLLM
-        engine, the asynchronous worker), and their statistics; `(None, {})` otherwise."""
+        """Importance weights `pi_old / mu` for rollouts that carry the log-probs of the policy
+        `mu` that sampled them (a vLLM engine, the asynchronous worker, a `rollout_func`), TRL's
+        `vllm_importance_sampling_*` correction whatever the sampler, and their statistics;
+        `(None, {})` otherwise."""
         if "behaviour_logps" not in batch:
             return None, {}
         old_logps = batch.get("old_logps", logps)  # pi_old

@@ -7,7 +7,7 @@ c_{i,t} that the aggregation gives the token.
 
 import torch
 
-from trl_grpo_ext.objective import LOSS_TYPES, policy_loss
+from trl_grpo_ext.objective import LOSS_TYPES, LossSettings, policy_loss
 
 # --8<-- [start:weights]
 # Two completions in a batch padded to T = 8 tokens: one of 2 tokens, one of 6.
@@ -17,9 +17,8 @@ advantages = torch.tensor([1.0, 1.0])
 weights = {}
 for loss_type in LOSS_TYPES:
     logps = torch.zeros(2, 8, requires_grad=True)
-    loss, _ = policy_loss(
-        logps, None, advantages, completion_mask, loss_type=loss_type, max_completion_length=8
-    )
+    settings = LossSettings(loss_type=loss_type, max_completion_length=8)
+    loss, _ = policy_loss(logps, None, advantages, completion_mask, settings)
     loss.backward()
     weights[loss_type] = (-logps.grad[:, 0]).tolist()  # weight of one token of each completion
     print(f"{loss_type:8s} short: {weights[loss_type][0]:.4f}  long: {weights[loss_type][1]:.4f}")

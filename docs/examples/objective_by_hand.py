@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from trl_grpo_ext.objective import group_advantages, kl_k3, policy_loss
+from trl_grpo_ext.objective import LossSettings, group_advantages, kl_k3, policy_loss
 
 # --8<-- [start:advantages]
 # One prompt, G = 4 completions: two right (reward 1), two wrong (reward 0).
@@ -23,14 +23,15 @@ assert torch.equal(group_advantages(torch.ones(4), group_size=4), torch.zeros(4)
 # the ratio is clipped at 1 + epsilon_high = 1.2, and the clipped branch carries no gradient.
 logps = torch.tensor([[0.5]], requires_grad=True)  # log pi_theta, (B=1, T=1)
 old_logps = torch.tensor([[0.0]])  # log pi_old
-loss, stats = policy_loss(logps, old_logps, torch.tensor([1.0]), torch.ones(1, 1))
+settings = LossSettings(epsilon_low=0.2)  # TRL's defaults: "dapo", epsilon_high = epsilon_low
+loss, stats = policy_loss(logps, old_logps, torch.tensor([1.0]), torch.ones(1, 1), settings)
 loss.backward()
 print(loss.item(), logps.grad.item(), stats["clip_ratio/high_mean"].item())  # -1.2 0.0 1.0
 assert math.isclose(loss.item(), -1.2, rel_tol=1e-6) and logps.grad.item() == 0.0
 
 # The same token with advantage -1 is not clipped: the loss is rho * 1 = 1.65, gradient 1.65.
 logps.grad = None
-loss, _ = policy_loss(logps, old_logps, torch.tensor([-1.0]), torch.ones(1, 1))
+loss, _ = policy_loss(logps, old_logps, torch.tensor([-1.0]), torch.ones(1, 1), settings)
 loss.backward()
 assert math.isclose(loss.item(), math.exp(0.5), rel_tol=1e-6)
 assert math.isclose(logps.grad.item(), math.exp(0.5), rel_tol=1e-6)

@@ -30,9 +30,9 @@ class EntropyBonusTrainer(GroupRelativeTrainer):
         )  # (B, T) each
         tokens = batch["num_items_in_batch"] / self.args.world_size
         loss, stats = policy_loss(
-            logps, batch.get("old_logps"), batch["advantages"], mask, loss_type="dapo",
-            epsilon_low=self.args.epsilon, epsilon_high=self.args.epsilon_high,
-            ref_logps=batch.get("ref_logps"), beta=self.args.beta, num_items_in_batch=tokens,
+            logps, batch.get("old_logps"), batch["advantages"], mask,
+            self.loss_settings,  # loss_type, clip range, beta, ... read from self.args once
+            ref_logps=batch.get("ref_logps"), num_items_in_batch=tokens,
         )  # fmt: skip
         entropy_bonus = (entropy * mask).sum() / tokens
         metrics = {key: value.item() for key, value in stats.items()}
