@@ -110,8 +110,16 @@ $(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# Under a temp folder of their own (VLLM_TMP), which must be empty once they are done: engines,
+# servers and tests leave no socket, folder or process behind (torch's compile cache excepted).
+VLLM_TMP := .tmp-vllm
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VLLM_PY) -m pytest -q -m vllm tests/vllm_engines
+	mkdir -p $(VLLM_TMP)
+	find $(VLLM_TMP) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*' -exec rm -rf {} +
+	TMPDIR=$(CURDIR)/$(VLLM_TMP) VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+		$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engines --basetemp=$(CURDIR)/.pytest-vllm
+	@left=$$(find $(VLLM_TMP) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*'); \
+	if [ -n "$$left" ]; then echo "The vLLM tests left in their temp folder:" $$left; exit 1; fi
 
 clean-venv-vllm:
 	rm -rf $(VLLM_VENV)

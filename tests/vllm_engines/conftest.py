@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 
@@ -99,6 +100,10 @@ def start_server(
     allowed, processed log-probs; else vLLM's defaults (none of these)."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # The server's IPC sockets in a folder of its own, removed with the server (`kill_server`):
+    # vLLM leaves them in the temp folder otherwise, killed or not.
+    rpc_folder = tempfile.mkdtemp(prefix="vllm-server-ipc-")
+    env["VLLM_RPC_BASE_PATH"] = rpc_folder
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -113,6 +118,7 @@ def start_server(
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+    process.rpc_folder = rpc_folder
     deadline = time.monotonic() + 240
     while True:
         if process.poll() is not None:

@@ -3,6 +3,7 @@ it with `transformers` on the same model and tokens."""
 
 import copy
 import os
+import shutil
 import signal
 import subprocess
 
@@ -133,6 +134,7 @@ def kill_server(process: subprocess.Popen) -> None:
     alone, the server leaves them running, holding their memory."""
     _signal_group(process, signal.SIGKILL)
     process.wait()
+    shutil.rmtree(getattr(process, "rpc_folder", ""), ignore_errors=True)  # its IPC sockets
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:

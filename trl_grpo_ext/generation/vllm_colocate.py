@@ -15,10 +15,12 @@ the process group stays (vLLM uses it), with world size 1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
 import shutil
+import tempfile
 import weakref
 
 import numpy as np
@@ -93,6 +95,21 @@ def _process_state_kept():
             torch.cuda.set_rng_state_all(cuda_states)
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+
+
+def private_ipc_folder() -> str:
+    """The folder of vLLM's IPC sockets (`VLLM_RPC_BASE_PATH`) for this process's engines.
+
+    vLLM's front end and engine core talk over sockets it creates in the system temp folder by
+    default and never removes. Unless the user chose a folder, the engines of this process use
+    one of their own, removed when the process exits. One for the whole process: vLLM caches the
+    setting once an engine has started."""
+    folder = os.environ.get("VLLM_RPC_BASE_PATH")
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="vllm-ipc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def checkpoint_dtype(model) -> str:
@@ -198,6 +215,7 @@ class VLLMColocateEngine:
         if world_size > 1:
             settings.update(_distributed_settings(process_index, local_process_index, world_size))
         settings.update(llm_kwargs or {})
+        private_ipc_folder()
         with _process_state_kept():
             self.llm = LLM(**settings)
         self.max_lora_rank = max_lora_rank
