@@ -224,3 +224,28 @@ def test_a_server_gone_mid_rollout_fails_the_run_naming_it(
     finally:
         trainer.rollouts.shutdown()
         proxy.stop()  # again, if the test failed before it stopped
+
+
+def test_a_stop_string_ends_the_answer_turn_and_no_padding_is_trained(tool_model_dir, tmp_path):
+    """Colocated vLLM stops the answer turn ("It is 9.") at the stop " is" and pads the row; the
+    rollout ends there, counts as ended, and no padding is among the model's tokens."""
+    trainer = tool_trainer(
+        tool_model_dir,
+        tmp_path,
+        vllm_mode="colocate",
+        peft=False,
+        vllm_max_model_length=MAX_MODEL_LEN,
+        generation_kwargs={"stop": [" is"]},
+    )
+    tokenizer = trainer.processing_class
+    try:
+        rollout = trainer.generate_rollouts([trainer.train_dataset[0]])
+        own = rollout.completion_mask * rollout.tool_mask
+        for ids, mask, model_tokens in zip(rollout.completion_ids, rollout.completion_mask, own):
+            assert tokenizer.pad_token_id not in ids[model_tokens.bool()].tolist()
+            text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=False)
+            assert text.endswith("It is"), text
+        assert not rollout.is_truncated.any()
+        assert rollout.completions[0][-1]["content"] == "It is"
+    finally:
+        trainer.rollouts.shutdown()

@@ -1,4 +1,5 @@
-"""Generation engines behind one interface, and what keeps them on the trainer's weights.
+"""Generation engines behind one interface (`Engine`), built in one place (`build_engine`,
+`build_rollout_engine`), and what keeps them on the trainer's weights.
 
 An engine samples G completions for each of B left-padded prompts:
 
@@ -6,7 +7,9 @@ An engine samples G completions for each of B left-padded prompts:
         -> (prompt_ids, prompt_mask, completion_ids, behaviour_logps)
 
 of shapes `(B*G, P)`, `(B*G, P)`, `(B*G, T)` and `(B*G, T)`, groups in consecutive rows.
-`generation_config` is the complete `GenerationConfig` of `sampling.sampling_config`.
+`generation_config` is the complete `GenerationConfig` of `sampling.sampling_config`. Where each
+completion ends (eos, stop strings) is decided afterwards, by one rule for every engine
+(`rollout.CompletionEnds`).
 
 - `TransformersEngine` (`transformers_engine.py`): the policy's own `generate`, in this
   process. Its behaviour log-probs are None: the sampling policy is the trained one, whose
