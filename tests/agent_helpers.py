@@ -57,10 +57,12 @@ class ScriptedEngine:
 
     `script` is a list whose k-th entry is the k-th call's turn (token ids, for every row, or a
     list of them, one per row), or a function from a row's context (token ids) to its turn.
-    Records each call's contexts; returns log-probs -0.1, -0.2, ... per position."""
+    Records each call's contexts. With `logps`, returns log-probs -0.1, -0.2, ... per position
+    (made up: not a policy's, so a trainer would weigh them by the off-policy correction); by
+    default none, as an engine sampling with the trainer's own weights."""
 
-    def __init__(self, script):
-        self.script, self.prompts = script, []
+    def __init__(self, script, logps: bool = False):
+        self.script, self.prompts, self.logps = script, [], logps
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         contexts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
@@ -77,6 +79,7 @@ class ScriptedEngine:
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
         logps = -torch.arange(1, width + 1, dtype=torch.float).repeat(len(rows), 1) / 10
+        logps = logps if self.logps else None
         padded = prompt_ids.repeat_interleave(repeats, 0)
         return padded, prompt_mask.repeat_interleave(repeats, 0), ids, logps
 

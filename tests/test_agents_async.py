@@ -43,7 +43,7 @@ class VersionedEngine(ScriptedEngine):
     and the contexts it continued (`ScriptedEngine.prompts`)."""
 
     def __init__(self, script, publisher):
-        super().__init__(script)
+        super().__init__(script, logps=True)
         self.publisher, self.versions = publisher, []
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):

@@ -60,7 +60,7 @@ def test_three_turns_are_the_sampled_tokens_with_the_rendered_results_between(ru
         encode(tokenizer, call("add", a=5, b=4)),
         encode(tokenizer, "The answer is 9."),
     ]
-    engine = ScriptedEngine(turns)
+    engine = ScriptedEngine(turns, logps=True)
     prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
     tool_loop = loop(tokenizer, runner)
     config = GenerationConfig(max_new_tokens=512, num_return_sequences=1)
