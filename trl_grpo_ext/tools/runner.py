@@ -416,10 +416,10 @@ class ToolRunner:
             if not worker.stuck:
                 worker.thread.join()
         if loop is not None:
-            # calls still on the loop (cancelled past their timeout, or abandoned) get a few
-            # seconds to clean up (run_python kills its program) before the loop stops
+            # calls still on the loop (cancelled past their timeout and cleaning up, as
+            # run_python kills its program, or left running) get a few seconds to end
             try:
-                asyncio.run_coroutine_threadsafe(_finish_tasks(5.0), loop).result(timeout=10.0)
+                asyncio.run_coroutine_threadsafe(_finish_tasks(5.0), loop).result(timeout=15.0)
             except Exception:  # the loop is wedged by a tool that blocks it: stop it anyway
                 pass
             loop.call_soon_threadsafe(loop.stop)
@@ -446,9 +446,13 @@ class _Call:
 
 
 async def _finish_tasks(seconds: float) -> None:
-    """Cancel the other tasks of the running loop and wait up to `seconds` for them to end."""
+    """Let the other tasks of the running loop end (a cancelled call cleaning up), then cancel
+    those still running; wait up to `seconds` for each."""
     tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
+    if not tasks:
+        return
+    _, running = await asyncio.wait(tasks, timeout=seconds)
+    for task in running:
         task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=seconds)
+    if running:
+        await asyncio.wait(running, timeout=seconds)
