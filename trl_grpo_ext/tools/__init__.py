@@ -10,7 +10,8 @@
   code blocks) for a ChatML model whose template has no tool format.
 - `ToolRunner`: runs the tool calls of a batch, each rollout's in the model's order: sync tools
   on the calling thread as TRL does (or on worker threads, opt-in), async tools overlapping
-  across rollouts on one event loop; a failure is an `{"error": ...}` result for the model; `tool_message` and `tool_metrics` as TRL makes them.
+  across rollouts on one event loop; a failure is an `{"error": ...}` result for the model;
+  `tool_message` and `tool_metrics` as TRL makes them.
 
 This package imports nothing from generation or training: the multi-turn loop and the trainer
 call it.

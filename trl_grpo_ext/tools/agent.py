@@ -4,9 +4,8 @@ For each generation batch, `start` gives every rollout (G per dataset row) its p
 and its environment: an instance of its own from the pool, reset with the row, whose text is
 appended to the prompt. `runner` runs the batch's tool calls: sync ones on the calling thread by
 default, as in TRL; with `workers` > 1, on threads, each environment made, reset and called on
-one of them. A batch takes its
-instances from a slot of the pool (`Environments.acquire`): batches alive at the same time, with
-asynchronous rollouts, take different slots.
+one of them. A batch takes its instances from a slot of the pool (`Environments.acquire`):
+batches alive at the same time, with asynchronous rollouts, take different slots.
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ row's `environment` field names its factory, and that field is not passed to `re
 
 Instances are pooled and reused across batches ("construct once, reset often"): a batch takes one
 distinct instance per rollout, and the pool grows only when a batch needs more of an environment
-at once than exist. The instance probed at construction seeds the pool. The pool has slots: a batch
-takes its instances from one slot, and the next batch of that slot gets (and resets) the same
-instances. Synchronous training uses slot 0 alone; asynchronous rollouts give the batches in flight
-together different slots, so that no batch resets the environments of one not yet scored.
+at once than exist. The instance probed at construction seeds the pool, unless the pool's
+instances are made elsewhere (`create`: with tool threads, each on the thread that will call it).
+The pool has slots: a batch takes its instances from one slot, and the next batch of that slot
+gets (and resets) the same instances. Synchronous training uses slot 0 alone; asynchronous
+rollouts give the batches in flight together different slots, so that no batch resets the
+environments of one not yet scored.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import queue
-import sqlite3
+import sys
 import threading
 import time
 import warnings
@@ -58,7 +58,8 @@ def threading_failure(error: BaseException) -> bool:
     SQLite connection made in another thread, or `signal` (e.g. `signal.alarm`, which math_verify
     uses for its timeouts) off the main thread."""
     message = str(error)
-    if isinstance(error, sqlite3.ProgrammingError):
+    sqlite3 = sys.modules.get("sqlite3")  # imported if the tool uses SQLite
+    if sqlite3 is not None and isinstance(error, sqlite3.ProgrammingError):
         return "thread" in message
     return isinstance(error, ValueError) and "signal only works in main thread" in message
 
