@@ -511,6 +511,13 @@ def test_a_threaded_sync_call_past_its_timeout_does_not_hold_up_the_batch():
     )
 
 
+def test_a_sync_call_on_the_calling_thread_is_not_cut_at_the_timeout():
+    """As in TRL (which has no timeout): it cannot be stopped, so its result is the model's."""
+    with ToolRunner(timeout=0.05) as runner:
+        results = runner.run([[(ToolSet([nap]), call("nap", seconds=0.3))]])
+    assert results == [[ToolResult("nap", "slept 0.3")]]
+
+
 def test_an_async_tool_past_its_timeout_is_cancelled():
     cancelled = threading.Event()
 
