@@ -16,12 +16,12 @@ rollouts, rewarded 1 when the last message's last number is the sum. The calls o
 per rollout) run at once, the rounds of a rollout one after the other: a step waits
 `--rounds` x `--tool-seconds` for its tools. The same work, the same seeds, four ways:
 
-- `sync`: synchronous, torch on one thread, the calls of a tool round all at once
-  (`tool_call_workers` = rollouts);
+- `sync`: synchronous, torch on one thread, the calls of a tool round all at once on threads
+  (`tool_call_workers` = rollouts, opt-in);
 - `k=1`: `max_staleness: 1`: the rollout worker (a process of its own, one thread) samples batch
   s + 1, its tool rounds included, while the trainer (one thread) trains on batch s;
-- `tools in turn`: `sync` with `tool_call_workers: 1`, so every call of a batch waits for the one
-  before (TRL's order within a rollout, extended to the batch);
+- `tools in turn`: `sync` with the default `tool_call_workers: 1`: the sync tool runs on the
+  training thread and every call of a batch waits for the one before, as in TRL;
 - `sync, all cores`: `sync` with torch on every core (on a busy machine, threads that wait on
   each other can make it slower than one thread). The baseline ("vs sync") is the faster of the
   two synchronous rows.

@@ -1,19 +1,30 @@
 """Time of the tool calls of a multi-turn batch: ours against trl.GRPOTrainer, side by side.
 
-    python benchmarks/tools.py [--tool-seconds 0.2] [--rollouts 1 4 16] [--repeats 3]
+    python benchmarks/tools.py [--tool-seconds 0.2] [--rollouts 4 8 16] [--repeats 3]
+    python benchmarks/tools.py --modes default threads trl --rollouts 8 --repeats 1  # a quick look
 
 Both trainers sample one batch of `--rollouts` conversational rollouts (2 prompts, G = rollouts
-/ 2) whose model writes one call of a tool that sleeps `--tool-seconds`, then an answer. The
+/ 2) whose model writes one call of a tool that waits `--tool-seconds`, then an answer. The
 model's turns are scripted (the same token ids for both: the tiny tokenizer with Qwen3's chat
 template), so what is timed is everything around them: parsing the calls, running the tools,
-rendering the results and continuing. Ours runs the calls of the whole batch at once
-(`tool_call_workers` threads, set to the batch here, and with the default 8); TRL runs each
-rollout's calls in turn. Prints the median seconds per batch and the ratio TRL / ours.
+rendering the results and continuing. The modes (`--modes`, all by default):
+
+- `default`: ours with the default `tool_call_workers: 1` and a sync tool (`time.sleep`): the
+  calls run on the training thread one after another, as TRL runs them;
+- `async`: ours, default settings, the same tool as `async def` (`asyncio.sleep`): the calls of
+  different rollouts overlap on the event loop;
+- `threads`: ours with the sync tool and `tool_call_workers` = rollouts (threads, opt-in);
+- `trl`: trl.GRPOTrainer with the sync tool, each rollout's calls in turn;
+- `trl async`: trl.GRPOTrainer with the async tool, which it awaits rollout by rollout.
+
+Prints the median seconds per batch of each mode, and TRL's time over ours for the sync tool
+(`trl` / `threads`) and the async one (`trl async` / `async`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -41,6 +52,20 @@ def slow_add_tool(seconds: float):
     return add
 
 
+def slow_async_add_tool(seconds: float):
+    async def add(a: int, b: int) -> int:
+        """Adds two integers, slowly.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        await asyncio.sleep(seconds)
+        return a + b
+
+    return add
+
+
 def scripted_turns(tokenizer):
     from agent_helpers import call, encode
 
@@ -57,6 +82,7 @@ def scripted_turns(tokenizer):
 
 
 def ours(rollouts: int, tool, workers: int, output_dir: str):
+    """`workers`: `tool_call_workers`."""
     from agent_helpers import ScriptedEngine, qwen3_tokenizer
     from datasets import Dataset
 
@@ -122,8 +148,9 @@ def trl_side(rollouts: int, tool, output_dir: str):
 
     trainer._generate_single_turn = single_turn
     inputs = [p for p in prompts for _ in range(rollouts // 2)]
-    trainer._sync_tool_dicts = [{tool.__name__: tool} for _ in inputs]
-    trainer._async_tool_dicts = [{} for _ in inputs]
+    is_async = asyncio.iscoroutinefunction(tool)
+    trainer._sync_tool_dicts = [{} if is_async else {tool.__name__: tool} for _ in inputs]
+    trainer._async_tool_dicts = [{tool.__name__: tool} if is_async else {} for _ in inputs]
 
     def sample():
         with torch.no_grad():
@@ -142,29 +169,44 @@ def timed(sample, repeats: int) -> float:
     return statistics.median(seconds)
 
 
+MODES = ("default", "async", "threads", "trl", "trl async")
+
+
+def sampler(mode: str, rollouts: int, seconds: float, output_dir: str):
+    sync_tool, async_tool = slow_add_tool(seconds), slow_async_add_tool(seconds)
+    if mode == "default":
+        return ours(rollouts, sync_tool, 1, output_dir)
+    if mode == "async":
+        return ours(rollouts, async_tool, 1, output_dir)
+    if mode == "threads":
+        return ours(rollouts, sync_tool, rollouts, output_dir)
+    return trl_side(rollouts, async_tool if mode == "trl async" else sync_tool, output_dir)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tool-seconds", type=float, default=0.2)
     parser.add_argument("--rollouts", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     options = parser.parse_args(argv)
-    tool = slow_add_tool(options.tool_seconds)
+    modes = [mode for mode in MODES if mode in options.modes]
+    ratios = [(a, b) for a, b in (("trl", "threads"), ("trl async", "async")) if {a, b} <= {*modes}]
     report = {}
     print(f"tool call: {options.tool_seconds} s; median seconds per batch of {options.repeats}")
-    print("| rollouts | ours (workers = rollouts) | ours (8 workers) | trl | trl / ours |")
-    print("|---|---|---|---|---|")
+    header = ["rollouts", *modes, *(f"{a} / {b}" for a, b in ratios)]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as folder:
         for rollouts in options.rollouts:
             row = {
-                "ours": timed(ours(rollouts, tool, rollouts, folder), options.repeats),
-                "ours_8": timed(ours(rollouts, tool, 8, folder), options.repeats),
-                "trl": timed(trl_side(rollouts, tool, folder), options.repeats),
+                mode: timed(sampler(mode, rollouts, options.tool_seconds, folder), options.repeats)
+                for mode in modes
             }
             report[rollouts] = row
-            print(
-                f"| {rollouts} | {row['ours']:.3f} | {row['ours_8']:.3f} | {row['trl']:.3f} "
-                f"| {row['trl'] / row['ours']:.1f} |"
-            )
+            cells = [f"{row[mode]:.3f}" for mode in modes]
+            cells += [f"{row[a] / row[b]:.1f}" for a, b in ratios]
+            print(f"| {rollouts} | " + " | ".join(cells) + " |")
     return report
 
 

@@ -7,6 +7,7 @@ producer's own when it has a publisher, as a vLLM engine does), so the versions 
 call sees are the ones the worker loaded."""
 
 import re
+import sqlite3
 
 import pytest
 from agent_helpers import ScriptedEngine, add, call, encode, needs_trl_1_16
@@ -66,7 +67,7 @@ def reach_the_target(tokenizer):
     return turn
 
 
-def async_counter_trainer(tmp_path, signal=True, **overrides):
+def async_counter_trainer(tmp_path, signal=True, environment=Counter, **overrides):
     """Counter environments, targets 1..8 (two rows per batch, so consecutive batches have
     different targets), the scripted worker with its stub publisher. The reward alternates 0, 1
     (every group has a signal), or is 0 everywhere without `signal`."""
@@ -81,7 +82,7 @@ def async_counter_trainer(tmp_path, signal=True, **overrides):
 
     trainer = tool_trainer(
         tmp_path,
-        environment_factory=Counter,
+        environment_factory=environment,
         reward_funcs=environments_match_rows,
         dataset=Dataset.from_list(rows),
         shuffle_dataset=False,
@@ -218,3 +219,57 @@ def test_the_local_process_worker_runs_the_tool_loop(tmp_path):
         mask = rollout.completion_mask.bool()
         assert rollout.behaviour_logps[mask].lt(0).all()  # the process's own log-probs
         assert rollout.behaviour_logps[~mask].eq(0).all()
+
+
+class LedgerCounter(Counter):
+    """A Counter that keeps its steps in an SQLite connection opened in `__init__`, usable only on
+    the thread that opened it."""
+
+    def __init__(self):
+        super().__init__()
+        self.db = sqlite3.connect(":memory:")
+        self.db.execute("CREATE TABLE steps (step INTEGER)")
+
+    def reset(self, **row):
+        self.db.execute("DELETE FROM steps")
+        return super().reset(**row)
+
+    def increment(self, step: int) -> int:
+        """Adds `step` to the counter.
+
+        Args:
+            step: How much to add.
+
+        Returns:
+            The new value.
+        """
+        self.db.execute("INSERT INTO steps VALUES (?)", (step,))
+        self.value = self.db.execute("SELECT SUM(step) FROM steps").fetchone()[0]
+        return self.value
+
+
+def failure_frequencies(trainer) -> list[float]:
+    return [e["tools/failure_frequency"] for e in trainer.state.log_history if "loss" in e]
+
+
+def test_with_threads_an_environment_bound_to_its_thread_works_with_async_rollouts(tmp_path):
+    """The worker thread runs the tool loop while the trainer's thread resets the environments:
+    with `tool_call_workers` > 1 each environment is made, reset and called on one tool thread."""
+    trainer, checked = async_counter_trainer(
+        tmp_path, environment=LedgerCounter, tool_call_workers=2
+    )
+    trainer.train()
+    assert checked == [True] * 4
+    assert failure_frequencies(trainer) == [0.0] * 4
+
+
+def test_by_default_a_thread_bound_environment_fails_loudly_with_async_rollouts(tmp_path):
+    """By default sync tools run on the rollout worker's thread, not on the trainer's, where the
+    environments were made: each call fails, and a warning says why, once."""
+    trainer, _ = async_counter_trainer(tmp_path, environment=LedgerCounter)
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer.train()
+    messages = [str(w.message) for w in warned if "Tool increment failed" in str(w.message)]
+    assert len(messages) == 1
+    assert "SQLite objects created in a thread" in messages[0]
+    assert failure_frequencies(trainer) == [1.0] * 4

@@ -6,6 +6,7 @@ bubblewrap, and the process fallback; a mechanism this machine cannot run is ski
 reason. The hostile cases run only under the namespaces (`needs_namespaces`): without them a
 program could really delete or kill. The fallback is tested on harmless programs."""
 
+import asyncio
 import os
 import re
 import socket
@@ -16,8 +17,9 @@ import warnings
 
 import pytest
 
-from trl_grpo_ext.tools import PythonSandbox, isolation
+from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, isolation, run_python
 from trl_grpo_ext.tools import python as python_module
+from trl_grpo_ext.tools.functions import async_function
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_CFG = os.path.join(PROJECT, "setup.cfg")
@@ -291,6 +293,70 @@ def fake_bubblewrap(tmp_path, message: str) -> str:
     path.write_text(f"#!/bin/sh\necho {message!r} >&2\nexit 1\n")
     path.chmod(0o755)
     return str(path)
+
+
+# --- awaited by the trainer ----------------------------------------------------------------
+
+
+ASYNC_CASES = [
+    "print(2**10)",
+    "def f(:\n    pass",
+    "raise ValueError('bad input')",
+    "print('x' * 100_000)",
+    "import time\nprint('started', flush=True)\ntime.sleep(60)",
+]
+
+
+@pytest.mark.parametrize("code", ASYNC_CASES, ids=range(len(ASYNC_CASES)))
+def test_the_awaited_call_gives_what_the_call_gives(sandbox, code):
+    limited = like(sandbox, wall_seconds=1.0)
+    assert asyncio.run(limited.async_call(code)) == limited(code)
+
+
+def test_run_python_is_awaited_by_the_trainer_and_still_callable():
+    assert async_function(run_python) is run_python.async_call
+    assert ToolSet([run_python]).is_async("run_python")
+    assert ToolSet([PythonSandbox()]).is_async("run_python")
+    assert run_python("print(6 * 7)") == "42"  # the public, synchronous call
+    assert asyncio.run(run_python.async_call("print(6 * 7)")) == "42"
+
+
+def test_the_programs_of_different_rollouts_run_at_once(tmp_path):
+    """Each program marks a shared folder, then waits (at most 10 s) until all four have: by
+    default the runner awaits them together ("process" isolation: the folder is shared)."""
+    code = (
+        "import os, time\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
+        "end = time.monotonic() + 10\n"
+        "while len(os.listdir(folder)) < 4 and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "print('together' if len(os.listdir(folder)) >= 4 else 'alone')"
+    )
+    tools = ToolSet([PythonSandbox(wall_seconds=20.0, isolation=isolation.PROCESS)])
+    tool_call = {
+        "type": "function",
+        "function": {"name": "run_python", "arguments": {"code": code}},
+    }
+    with ToolRunner(timeout=30.0) as runner:
+        results = runner.run([[(tools, tool_call)] for _ in range(4)])
+    assert [rollout[0].content for rollout in results] == ["together"] * 4
+
+
+def test_a_call_past_the_tool_timeout_is_cancelled_and_leaves_nothing(sandbox, needs_namespaces):
+    tools = ToolSet([like(sandbox, wall_seconds=60.0)])
+    code = "import time\ntime.sleep(60)"
+    tool_call = {
+        "type": "function",
+        "function": {"name": "run_python", "arguments": {"code": code}},
+    }
+    with ToolRunner(timeout=0.5) as runner:
+        (result,) = runner.run([[(tools, tool_call)]])[0]
+    assert "timed out after 0.5 s" in result.content["error"]
+    end = time.monotonic() + 10
+    while sandbox_leftovers() != ([], []) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert sandbox_leftovers() == ([], [])
 
 
 def test_auto_prefers_util_linux_then_bubblewrap(monkeypatch):

@@ -517,13 +517,20 @@ class GroupRelativeConfig(TrainingArguments):
     tool_call_timeout: float | None = field(
         default=60.0,
         metadata={
-            "help": "Seconds a tool call may take; a slower one comes back to the model as an "
-            "error result. None: no limit."
+            "help": "Seconds an async tool call, or a sync one on a worker thread "
+            "(tool_call_workers > 1), may take; a slower one comes back to the model as an error "
+            "result. Sync calls on the training thread (the default) have no limit, as in TRL. "
+            "None: no limit."
         },
     )
     tool_call_workers: int = field(
-        default=8,
-        metadata={"help": "Threads that run the synchronous tool calls of a batch at once."},
+        default=1,
+        metadata={
+            "help": "1: sync tools run on the thread that samples (the main thread when "
+            "synchronous), one after another, as in TRL. More: that many threads run the sync "
+            "calls of different rollouts at once, each environment on one of them (tools must "
+            "then be thread-safe). Async tools overlap across rollouts either way."
+        },
     )
 
     def __post_init__(self):

@@ -8,8 +8,10 @@
   namespaces, resource limits) and returns its output.
 - `code_block_format`: the tool format of tool-integrated reasoning (calls written as Markdown
   code blocks) for a ChatML model whose template has no tool format.
-- `ToolRunner`: runs the tool calls of a batch concurrently, each under a timeout; a failure is
-  an `{"error": ...}` result for the model; `tool_message` and `tool_metrics` as TRL makes them.
+- `ToolRunner`: runs the tool calls of a batch, each rollout's in the model's order: sync tools
+  on the calling thread as TRL does (or on worker threads, opt-in), async tools overlapping
+  across rollouts on one event loop; a failure is an `{"error": ...}` result for the model;
+  `tool_message` and `tool_metrics` as TRL makes them.
 
 This package imports nothing from generation or training: the multi-turn loop and the trainer
 call it.

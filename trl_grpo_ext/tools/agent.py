@@ -2,9 +2,10 @@
 
 For each generation batch, `start` gives every rollout (G per dataset row) its prompt, its tools
 and its environment: an instance of its own from the pool, reset with the row, whose text is
-appended to the prompt. `runner` runs the batch's tool calls concurrently. A batch takes its
-instances from a slot of the pool (`Environments.acquire`): batches alive at the same time, with
-asynchronous rollouts, take different slots.
+appended to the prompt. `runner` runs the batch's tool calls: sync ones on the calling thread by
+default, as in TRL; with `workers` > 1, on threads, each environment made, reset and called on
+one of them. A batch takes its instances from a slot of the pool (`Environments.acquire`):
+batches alive at the same time, with asynchronous rollouts, take different slots.
 """
 
 from __future__ import annotations
@@ -22,19 +23,28 @@ class Agent:
         environment_factory (`Callable` or `dict[str, Callable]`, *optional*): one environment
             per rollout (`environments.Environments`).
         timeout (`float`, *optional*): seconds a call may take (`tool_call_timeout`).
-        workers (`int`): threads for synchronous calls (`tool_call_workers`).
+        workers (`int`, defaults to `1`): threads for synchronous calls (`tool_call_workers`);
+            1 runs them on the calling thread.
     """
 
-    def __init__(self, tools=None, environment_factory=None, *, timeout=60.0, workers=8):
+    def __init__(self, tools=None, environment_factory=None, *, timeout=60.0, workers=1):
         self.tools = ToolSet(tools or [])
         self.environments = None
+        self.runner = ToolRunner(
+            max_workers=workers,
+            timeout=timeout,
+            timeout_setting="tool_call_timeout",
+            workers_setting="tool_call_workers=...",
+        )
         if environment_factory is not None:
-            self.environments = Environments(environment_factory)
+            threaded = self.runner.threaded
+            self.environments = Environments(
+                environment_factory,
+                create=self.runner.create if threaded else None,
+                call_on=self.runner.call_on if threaded else None,
+            )
             for name in self.environments.names:  # a tool named like a method fails now
                 self.environments.tools_for(name, self.tools)
-        self.runner = ToolRunner(
-            max_workers=workers, timeout=timeout, timeout_setting="tool_call_timeout"
-        )
 
     @property
     def functions(self) -> list:

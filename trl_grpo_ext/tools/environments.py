@@ -12,10 +12,12 @@ row's `environment` field names its factory, and that field is not passed to `re
 
 Instances are pooled and reused across batches ("construct once, reset often"): a batch takes one
 distinct instance per rollout, and the pool grows only when a batch needs more of an environment
-at once than exist. The instance probed at construction seeds the pool. The pool has slots: a batch
-takes its instances from one slot, and the next batch of that slot gets (and resets) the same
-instances. Synchronous training uses slot 0 alone; asynchronous rollouts give the batches in flight
-together different slots, so that no batch resets the environments of one not yet scored.
+at once than exist. The instance probed at construction seeds the pool, unless the pool's
+instances are made elsewhere (`create`: with tool threads, each on the thread that will call it).
+The pool has slots: a batch takes its instances from one slot, and the next batch of that slot
+gets (and resets) the same instances. Synchronous training uses slot 0 alone; asynchronous
+rollouts give the batches in flight together different slots, so that no batch resets the
+environments of one not yet scored.
 """
 
 from __future__ import annotations
@@ -63,10 +65,15 @@ def append_observation(prompt: list[dict], observation: str | list | None) -> li
     return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
 
-def _reward_function(environment_type: type) -> Callable:
+def _call_here(instance: Any, function: Callable) -> Any:
+    return function()
+
+
+def _reward_function(environment_type: type, call_on: Callable = _call_here) -> Callable:
     """A reward function in TRL's convention (`f(environments, **kwargs)`) that scores a rollout
     with its environment's `get_reward()` when that environment is exactly `environment_type`
-    (not a subclass, as TRL), and `None` (not applicable) otherwise."""
+    (not a subclass, as TRL), and `None` (not applicable) otherwise. A sync `get_reward` runs
+    through `call_on`, on the thread its instance is bound to."""
     if inspect.iscoroutinefunction(environment_type.get_reward):
 
         async def reward(environments, **kwargs):
@@ -77,7 +84,10 @@ def _reward_function(environment_type: type) -> Callable:
     else:
 
         def reward(environments, **kwargs):
-            return [e.get_reward() if type(e) is environment_type else None for e in environments]
+            return [
+                call_on(e, e.get_reward) if type(e) is environment_type else None
+                for e in environments
+            ]
 
     reward.__name__ = reward.__qualname__ = environment_type.__name__
     return reward
@@ -90,13 +100,28 @@ class Environments:
         environment_factory (`Callable[[], Any]` or `dict[str, Callable[[], Any]]`):
             One factory, or a dict from the names that rows put in their `environment` field to
             factories. One instance per factory is made now to check it and list its tools.
+        create (`Callable[[factory], Any]`, *optional*):
+            Makes the pool's instances (`factory()` by default). A runner with threads
+            (`ToolRunner.create`) makes each on the thread that will run its calls; the instance
+            made now to check the factory is then kept out of the pool.
+        call_on (`Callable[[instance, function], Any]`, *optional*):
+            Runs `reset` and a sync `get_reward` of an instance (`function()` by default; with
+            threads, `ToolRunner.call_on`, on the thread the instance is bound to).
 
     Raises:
         `ValueError`: when an instance has no `reset` method, or one of its tool methods has no
             type hints or docstring to describe it to the model.
     """
 
-    def __init__(self, environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory]):
+    def __init__(
+        self,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory],
+        create: Callable[[EnvironmentFactory], Any] | None = None,
+        call_on: Callable[[Any, Callable], Any] | None = None,
+    ):
+        self._create = create or (lambda factory: factory())
+        self._call_on = call_on or _call_here
+        self._probes: dict[str | None, Any] = {}  # the instance made to check each factory
         self.multi = isinstance(environment_factory, dict)
         factories = environment_factory if self.multi else {None: environment_factory}
         if not factories:
@@ -118,9 +143,11 @@ class Environments:
                     "the prompt."
                 )
             self.toolset_for_instance(instance)  # a method the model cannot see fails now
-            self._pool[(name, 0)] = [instance]
+            self._probes[name] = instance
+            if create is None:  # made where the pool's instances are made: it seeds the pool
+                self._pool[(name, 0)] = [instance]
             if "get_reward" in members and type(instance) not in self._rewards:
-                self._rewards[type(instance)] = _reward_function(type(instance))
+                self._rewards[type(instance)] = _reward_function(type(instance), self._call_on)
 
     @property
     def names(self) -> list[str | None]:
@@ -154,7 +181,7 @@ class Environments:
             pool = self._pool.setdefault((name, slot), [])
             index = taken.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(self._create(self.factories[name]))
             taken[name] = index + 1
             instances.append(pool[index])
         return instances
@@ -163,7 +190,7 @@ class Environments:
         """Call `instance.reset(**row)` (without the `environment` field of a dict factory) and
         return its observation: `None`, a string, or a list of content parts."""
         kwargs = {k: v for k, v in row.items() if k != ENVIRONMENT_FIELD} if self.multi else row
-        observation = instance.reset(**kwargs)
+        observation = self._call_on(instance, lambda: instance.reset(**kwargs))
         if observation is None or isinstance(observation, (str, list)):
             return observation
         if inspect.iscoroutine(observation):
@@ -181,12 +208,14 @@ class Environments:
         """The tools of a rollout using `instance`: the standalone tools, then its methods bound
         to it (so each rollout's calls act on its own instance)."""
         methods = [getattr(instance, name) for name in tool_method_names(type(instance))]
-        return as_toolset(standalone) + methods
+        toolset = as_toolset(standalone) + methods
+        toolset.environment = instance
+        return toolset
 
     def tools_for(self, name: str | None, standalone: ToolSet | Iterable = ()) -> ToolSet:
         """The tools of the environment `name`, for rendering its schema in a prompt."""
         self._check_name(name)
-        return self.toolset_for_instance(self._pool[(name, 0)][0], standalone)
+        return self.toolset_for_instance(self._probes[name], standalone)
 
     def reward_functions(self) -> list[tuple[str, Callable]]:
         """`(name, reward function)` for each environment class that defines `get_reward`, named

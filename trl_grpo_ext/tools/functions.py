@@ -31,6 +31,17 @@ def is_async_callable(function: Callable) -> bool:
     )
 
 
+def async_function(function: Callable) -> Callable | None:
+    """The coroutine function to await for the tool `function`: itself when it is async
+    (`is_async_callable`), its `async_call` attribute when it has one (an `async def` taking the
+    same arguments, for a tool that is also called synchronously, as `run_python` is), else
+    None (a sync tool)."""
+    if is_async_callable(function):
+        return function
+    variant = getattr(function, "async_call", None)
+    return variant if variant is not None and is_async_callable(variant) else None
+
+
 def _schema(tool: Callable, name: str) -> dict:
     key = getattr(tool, "__func__", tool)
     try:
@@ -60,6 +71,11 @@ class ToolSet:
             Functions, `async def` functions or bound methods, each with type hints and a
             Google-style docstring. Their `__name__`s must be distinct.
 
+    Attributes:
+        environment (`Any`): the environment instance whose tool methods the set holds (set by
+            `Environments.toolset_for_instance`), None otherwise; a runner with threads runs the
+            set's calls on the thread that instance is bound to.
+
     Raises:
         `ValueError`: when a tool has no `__name__`, two tools share a name, or a tool's JSON
             schema cannot be built (the message names the tool and says what to add).
@@ -68,6 +84,8 @@ class ToolSet:
     def __init__(self, tools: Iterable[Callable] = ()) -> None:
         self._tools: dict[str, Callable] = {}
         self._schemas: list[dict] = []
+        # the environment instance whose methods these are (`Environments`), if any
+        self.environment = None
         for tool in tools:
             name = getattr(tool, "__name__", None)
             if not isinstance(name, str):
@@ -99,8 +117,8 @@ class ToolSet:
         return list(self._schemas)
 
     def is_async(self, name: str) -> bool:
-        """Whether the tool `name` is a coroutine function (to be awaited)."""
-        return is_async_callable(self._tools[name])
+        """Whether the tool `name` is awaited when called (`async_function`)."""
+        return async_function(self._tools[name]) is not None
 
     def __contains__(self, name: object) -> bool:
         return name in self._tools

@@ -7,10 +7,16 @@ or by bubblewrap) where they can be made and limited by `setrlimit` in every cas
 never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
 traceback when it fails, or a short error when it runs past a limit. When the call returns, every
 process of the program has been killed and its temporary files removed.
+
+Calling `run_python(code)` (or a `PythonSandbox`) runs the program and waits for it; the trainer
+awaits `run_python.async_call(code)` instead (the same work, a subprocess driven by asyncio), so the
+programs of different rollouts run at once on the tool runner's event loop while sync tools keep
+TRL's order on the training thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -70,6 +76,14 @@ def run_python(code: str) -> str:
         code: The complete Python program to run, e.g. "print(sum(range(10)))".
     """
     return _default_sandbox()(code)
+
+
+async def _run_python_async(code: str) -> str:
+    return await _default_sandbox().async_call(code)
+
+
+# What the trainer awaits instead of calling `run_python` (`tools.functions.async_function`).
+run_python.async_call = _run_python_async
 
 
 class PythonSandbox:
@@ -148,12 +162,57 @@ class PythonSandbox:
         mechanism = self.mechanism
         scratch = tempfile.mkdtemp(prefix="run_python-")
         try:
-            program = os.path.join(scratch, "main.py")
-            with open(program, "w", encoding="utf-8") as file:
-                file.write(code)
-            return self._run(mechanism, scratch, program)
+            return self._run(mechanism, scratch, _write_program(scratch, code))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    async def async_call(self, code: str) -> str:
+        """`self(code)` without blocking the event loop: the program is a subprocess driven by
+        asyncio. What the trainer awaits, so that the calls of different rollouts run at once.
+        Cancelled (by a tool timeout), it kills the program and removes its files first."""
+        mechanism = self.mechanism  # found out once, by running a probe (blocking)
+        scratch = tempfile.mkdtemp(prefix="run_python-")
+        try:
+            return await self._run_async(mechanism, scratch, _write_program(scratch, code))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _popen_arguments(self, mechanism: str, scratch: str, program: str, source) -> dict:
+        """The keyword arguments of the program's process (besides its command)."""
+        return {
+            "stdin": subprocess.DEVNULL,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.STDOUT,
+            "cwd": scratch,
+            "env": (
+                _process_environment(scratch) if mechanism == PROCESS else isolation.environment()
+            ),
+            "pass_fds": (source.fileno(),) if mechanism == BUBBLEWRAP else (),
+            "start_new_session": True,  # its own process group, killed as a whole
+        }
+
+    async def _run_async(self, mechanism: str, scratch: str, program: str) -> str:
+        with open(program, "rb") as source:  # bwrap copies the program from this descriptor
+            process = await asyncio.create_subprocess_exec(
+                *self._command(mechanism, scratch, program, source.fileno()),
+                **self._popen_arguments(mechanism, scratch, program, source),
+            )
+        output = _Output(self.max_output_bytes)
+        reader = asyncio.ensure_future(output.read_async(process.stdout))
+        timed_out = False
+        try:
+            await asyncio.wait_for(process.wait(), self.wall_seconds)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:
+            _kill_group(process.pid)
+            await asyncio.shield(process.wait())
+            # as in `_run`: without namespaces, a program that left its process group may keep
+            # the pipe open; its reader is then cancelled
+            _, pending = await asyncio.wait({reader}, timeout=1.0)
+            for task in pending:
+                task.cancel()
+        return self._report(output, process.returncode, timed_out)
 
     def _command(self, mechanism: str, scratch: str, program: str, program_fd: int) -> list[str]:
         """The command of one call, run in `scratch`; `program_fd` is `program` open to read."""
@@ -175,17 +234,7 @@ class PythonSandbox:
         with open(program, "rb") as source:  # bwrap copies the program from this descriptor
             process = subprocess.Popen(
                 self._command(mechanism, scratch, program, source.fileno()),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                cwd=scratch,
-                env=(
-                    _process_environment(scratch)
-                    if mechanism == PROCESS
-                    else isolation.environment()
-                ),
-                pass_fds=(source.fileno(),) if mechanism == BUBBLEWRAP else (),
-                start_new_session=True,  # its own process group, killed as a whole
+                **self._popen_arguments(mechanism, scratch, program, source),
             )
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
@@ -263,10 +312,7 @@ class PythonSandbox:
         """What `print(6 * 7)` gives back under `mechanism`."""
         scratch = tempfile.mkdtemp(prefix="run_python-")
         try:
-            program = os.path.join(scratch, "main.py")
-            with open(program, "w", encoding="utf-8") as file:
-                file.write("print(6 * 7)")
-            return self._run(mechanism, scratch, program)
+            return self._run(mechanism, scratch, _write_program(scratch, "print(6 * 7)"))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -299,10 +345,17 @@ class _Output:
 
     def read(self, pipe) -> None:
         while chunk := pipe.read1(_READ_CHUNK):
-            self.total += len(chunk)
-            room = self.limit - len(self.kept)
-            if room > 0:
-                self.kept += chunk[:room]
+            self._keep(chunk)
+
+    async def read_async(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(_READ_CHUNK):
+            self._keep(chunk)
+
+    def _keep(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += chunk[:room]
 
     @property
     def dropped(self) -> bool:
@@ -310,6 +363,14 @@ class _Output:
 
     def text(self) -> str:
         return bytes(self.kept).decode("utf-8", errors="replace").rstrip("\n")
+
+
+def _write_program(scratch: str, code: str) -> str:
+    """Writes `code` to `main.py` in `scratch`; its path."""
+    program = os.path.join(scratch, "main.py")
+    with open(program, "w", encoding="utf-8") as file:
+        file.write(code)
+    return program
 
 
 def _kill_group(pid: int) -> None:
