@@ -14,7 +14,8 @@ dropped, as in TRL), and the last turn is cut at the budget.
 
 Nothing here imports the tools package or the trainer: the caller hands over, for each rollout,
 its tools (an object with `functions`, what the chat template renders) and a runner that runs the
-calls of a whole batch concurrently (`run(calls) -> results`).
+calls of a whole batch (`run(calls) -> results`; each rollout's in the order the model wrote them,
+where and how concurrently is the runner's: `tools.ToolRunner`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class ToolLoop:
 
     Args:
         format ([`ToolCallFormat`]): parses calls and renders results.
-        runner: runs a batch of calls concurrently (`tools.ToolRunner`): `run(calls)` with, per
+        runner: runs a batch of calls (`tools.ToolRunner`): `run(calls)` with, per
             rollout, a list of `(tools, tool_call)` pairs, returns per rollout a list of results
             (`.message()` is the `tool` message, `.failed` an error result).
         eos_token_ids (`list[int]`): the tokens that end a turn.
