@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import getpass  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -100,10 +101,15 @@ def start_server(
     allowed, processed log-probs; else vLLM's defaults (none of these)."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    # The server's IPC sockets in a folder of its own, removed with the server (`kill_server`):
-    # vLLM leaves them in the temp folder otherwise, killed or not.
-    rpc_folder = tempfile.mkdtemp(prefix="vllm-server-ipc-")
-    env["VLLM_RPC_BASE_PATH"] = rpc_folder
+    # The server's temp files (its IPC sockets, its rendezvous file) in a folder of its own,
+    # removed with the server (`kill_server`): vLLM leaves them behind, killed or not. Torch's
+    # compile cache stays where the tests' is.
+    server_tmp = tempfile.mkdtemp(prefix="vllm-server-")
+    env.update(TMPDIR=server_tmp, VLLM_RPC_BASE_PATH=server_tmp)
+    env.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
+    )
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -118,7 +124,7 @@ def start_server(
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    process.rpc_folder = rpc_folder
+    process.temp_folder = server_tmp
     deadline = time.monotonic() + 240
     while True:
         if process.poll() is not None:

@@ -134,7 +134,7 @@ def kill_server(process: subprocess.Popen) -> None:
     alone, the server leaves them running, holding their memory."""
     _signal_group(process, signal.SIGKILL)
     process.wait()
-    shutil.rmtree(getattr(process, "rpc_folder", ""), ignore_errors=True)  # its IPC sockets
+    shutil.rmtree(getattr(process, "temp_folder", ""), ignore_errors=True)  # its temp files
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:

@@ -97,19 +97,35 @@ def _process_state_kept():
         torch.set_num_threads(num_threads)
 
 
-def private_ipc_folder() -> str:
-    """The folder of vLLM's IPC sockets (`VLLM_RPC_BASE_PATH`) for this process's engines.
+_PRIVATE_FOLDER: list[str] = []  # this process's, once made
 
-    vLLM's front end and engine core talk over sockets it creates in the system temp folder by
-    default and never removes. Unless the user chose a folder, the engines of this process use
-    one of their own, removed when the process exits. One for the whole process: vLLM caches the
-    setting once an engine has started."""
-    folder = os.environ.get("VLLM_RPC_BASE_PATH")
-    if not folder:
-        folder = tempfile.mkdtemp(prefix="vllm-ipc-")
-        os.environ["VLLM_RPC_BASE_PATH"] = folder
+
+def private_folder() -> str:
+    """A folder for what this process's vLLM engines leave in the temp folder, removed when the
+    process exits.
+
+    vLLM's front end and engine core talk over IPC sockets in `VLLM_RPC_BASE_PATH` (the temp
+    folder by default), and an in-process engine keeps its rendezvous file (`vllm_dist_*`) there
+    until vLLM shuts down; vLLM removes neither. So the sockets go here, unless the user chose a
+    folder for them, and so does the rendezvous file (`in_private_folder`). One folder for the
+    whole process: vLLM caches `VLLM_RPC_BASE_PATH` once an engine has started."""
+    if not _PRIVATE_FOLDER:
+        folder = tempfile.mkdtemp(prefix="vllm-engine-")
         atexit.register(shutil.rmtree, folder, True)
-    return folder
+        _PRIVATE_FOLDER.append(folder)
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", folder)
+    return _PRIVATE_FOLDER[0]
+
+
+@contextlib.contextmanager
+def in_private_folder():
+    """Python's temp files of the block (vLLM's rendezvous file) in `private_folder()`."""
+    folder, before = private_folder(), tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
 
 
 def checkpoint_dtype(model) -> str:
@@ -215,8 +231,7 @@ class VLLMColocateEngine:
         if world_size > 1:
             settings.update(_distributed_settings(process_index, local_process_index, world_size))
         settings.update(llm_kwargs or {})
-        private_ipc_folder()
-        with _process_state_kept():
+        with _process_state_kept(), in_private_folder():
             self.llm = LLM(**settings)
         self.max_lora_rank = max_lora_rank
         self.takes_base_weights = takes_base_weights
