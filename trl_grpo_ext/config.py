@@ -35,7 +35,9 @@ from .off_policy import IMPORTANCE_SAMPLING_MODES, equivalent_settings
 TRL_DIFFERENCES: dict[str, str] = {
     "max_prompt_length": "Not a field of trl 1.16, which never truncates prompts. Here prompts "
     "longer than 512 tokens are cut from the left (with a warning), so one long prompt cannot "
-    "exhaust memory; set it to None for TRL's behaviour.",
+    "exhaust memory; set it to None for TRL's behaviour. With tools the limit is on the prompt "
+    "rendered without the tools' schemas, which never count and are never cut, so a TRL tool "
+    "script runs unchanged; a prompt whose own messages are longer is an error, not a cut.",
     "max_completion_length": "256 instead of 512: the presets set it explicitly, and 256 keeps the "
     "defaults usable on a CPU or a consumer GPU.",
     "gradient_checkpointing": "Off instead of on: it trades about a third more compute for memory, "
@@ -180,7 +182,12 @@ class GroupRelativeConfig(TrainingArguments):
     )
     max_prompt_length: int | None = field(
         default=512,
-        metadata={"help": "Prompts longer than this many tokens are truncated from the left."},
+        metadata={
+            "help": "Prompts longer than this many tokens are truncated from the left (None: "
+            "never; TRL has no such limit). With tools it applies to the prompt rendered without "
+            "the tools' schemas, which never count: such a prompt is kept whole, and one whose "
+            "own messages are longer is an error."
+        },
     )
     max_completion_length: int = field(
         default=256,
