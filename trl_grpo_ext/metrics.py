@@ -1,10 +1,14 @@
 """What the trainer logs about each generation batch, as TRL names it, and the completions table.
 
 Pure functions of gathered tensors: the trainer gathers them over processes and appends the
-values to its running metrics, which `log` averages.
+values to its running metrics, which `log` averages. `RewardLogs` holds what reward functions log
+through TRL's `log_metric` and `log_extra` keyword arguments.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -91,12 +95,14 @@ def rollout_metrics(rollout, rewards, weights, names, gather) -> tuple[dict[str,
     return metrics, int(tokens.sum().item())
 
 
-def completions_table(rollout, rewards, names, advantages) -> dict[str, list]:
-    """The columns `print_completions` shows: prompt, completion, each reward, advantage."""
+def completions_table(rollout, rewards, names, advantages, extra=None) -> dict[str, list]:
+    """The columns of the completions table, as TRL's: prompt, completion, each reward, the
+    columns reward functions logged with `log_extra`, advantage."""
     return {
         "prompt": rollout.prompts,
         "completion": rollout.completions,
         **{name: rewards[: len(rollout), i].tolist() for i, name in enumerate(names)},
+        **(extra or {}),
         "advantage": advantages.tolist(),
     }
 
@@ -119,3 +125,60 @@ def print_completions(table: dict[str, list], limit: int | None) -> None:
     print("-" * len(header))
     for row in rows:
         print(" | ".join(cell(value, 40 if i < 2 else 10) for i, value in enumerate(row)))
+
+
+class RewardLogs:
+    """What reward functions log while they score a batch, through the keyword arguments that
+    TRL 1.16 passes them: `log_metric(name, value)`, a scalar averaged and logged with the
+    built-in metrics, and `log_extra(column, values)`, a column of the completions table (one
+    value per completion). The trainer takes both out after each scoring."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Logs the scalar `value` as the metric `name` (averaged over the calls of a step)."""
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Adds `values` (one per completion) as the column `column` of the completions table."""
+        self.extra[column].extend(values)
+
+    def take_metrics(
+        self,
+        gather_names: Callable[[list[str]], list[str]] | None = None,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, float]:
+        """The mean of each metric logged since the last call, over all processes as TRL: the sum
+        of the values of all processes over their count. Without `gather_names` (the names logged
+        on any process) and `gather` (concatenates a tensor over processes), this process's."""
+        names = sorted(self.metrics)
+        if gather_names is not None:  # every process gathers the same names, in one order
+            names = sorted(set(gather_names(names)))
+        if not names:
+            return {}
+        sums = torch.tensor(
+            [[sum(self.metrics.get(name, [])), len(self.metrics.get(name, []))] for name in names],
+            dtype=torch.float64,
+        )  # (K, 2)
+        if gather is not None:
+            sums = gather(sums).view(-1, len(names), 2).sum(dim=0).cpu()  # (K, 2)
+        self.metrics.clear()
+        return {name: total / count for name, (total, count) in zip(names, sums.tolist())}
+
+    def take_extra(self, num_completions: int | None) -> dict[str, list]:
+        """The columns logged since the last call, each with `num_completions` values; None when
+        the rows of the batch are not those that were scored (dynamic sampling reorders and
+        resamples them): then none."""
+        extra = dict(self.extra)
+        self.extra.clear()
+        if num_completions is None:
+            return {}
+        for column, values in extra.items():
+            if len(values) != num_completions:
+                raise ValueError(
+                    f"log_extra({column!r}, ...) was given {len(values)} values for a batch of "
+                    f"{num_completions} completions; give one value per completion."
+                )
+        return extra

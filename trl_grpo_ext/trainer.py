@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from functools import cached_property
 
 import torch
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
@@ -43,7 +44,7 @@ from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin
 from .logprobs import completion_logprobs, no_grad_logprobs
-from .metrics import completions_table, print_completions, rollout_metrics
+from .metrics import RewardLogs, completions_table, print_completions, rollout_metrics
 from .models import load_policy, prepare_policy
 from .objective import (
     LOSS_TYPE_TABLE,
@@ -177,6 +178,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
+        self.reward_logs = RewardLogs()  # what reward functions log: `log_metric`, `log_extra`
         self.model_card_sections: dict[str, str] = {}
         self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
         preparation.end_distributed_at_exit(self)
@@ -259,7 +261,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return self.rollouts.generate(rows, self.state.global_step)
 
     def score_rollouts(self, rollout: Rollout) -> torch.Tensor:
-        """Calls every reward function on the rollout.
+        """Calls every reward function on the rollout, with TRL's keyword arguments: the
+        rollout's prompts, completions, `completion_ids`, dataset columns and `environments`,
+        `trainer_state`, and `log_metric` and `log_extra` (`metrics.RewardLogs`).
 
         Returns:
             `torch.Tensor` of shape `(N, F)`: one column per reward function, NaN where a
@@ -271,6 +275,8 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             completions=rollout.completions,
             completion_ids=rollout.completion_id_lists(),
             trainer_state=self.state,
+            log_metric=self.reward_logs.log_metric,
+            log_extra=self.reward_logs.log_extra,
             **({} if rollout.environments is None else {"environments": rollout.environments}),
             **rollout.columns,
         )
@@ -482,19 +488,18 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         )
 
     def _record_rollout_metrics(self, rollout: Rollout, all_rewards, advantages):
+        gather = lambda tensor: self.accelerator.gather(tensor.to(self.accelerator.device))  # noqa: E731
         metrics, tokens = rollout_metrics(
-            rollout,
-            all_rewards,
-            self.reward_weights,
-            self.reward_names,
-            lambda tensor: self.accelerator.gather(tensor.to(self.accelerator.device)),
+            rollout, all_rewards, self.reward_weights, self.reward_names, gather
         )
+        metrics.update(self.reward_logs.take_metrics(gather_object, gather))
         for key, value in metrics.items():
             self._metrics[key].append(value)
         self.state.num_input_tokens_seen += tokens
+        extra = self.reward_logs.take_extra(None if self.args.dynamic_sampling else len(rollout))
         if self.args.log_completions:
             self._last_rollout_table = completions_table(
-                rollout, all_rewards, self.reward_names, advantages
+                rollout, all_rewards, self.reward_names, advantages, extra
             )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
