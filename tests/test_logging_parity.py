@@ -5,10 +5,6 @@ to the trackers in `report_to`."""
 
 from __future__ import annotations
 
-import glob
-import os
-
-import pandas
 import pytest
 import torch
 from datasets import Dataset
@@ -92,26 +88,86 @@ def test_evaluation_logs_the_reward_metrics_with_the_eval_prefix(tmp_path):
     assert trainer.reward_logs.metrics == {} and trainer.reward_logs.extra == {}
 
 
+def trackio_table(project: str, run: str) -> list[dict]:
+    """The rows of the last `completions` table logged to trackio (offline: its local store,
+    `TRACKIO_DIR` of conftest.py)."""
+    from trackio import SQLiteStorage
+
+    tables = [
+        log["completions"] for log in SQLiteStorage.get_logs(project, run) if "completions" in log
+    ]
+    assert tables, f"no completions table in trackio project {project!r}"
+    return tables[-1]["_value"]
+
+
+def test_completions_table_goes_to_trackio(tmp_path, capsys):
+    pytest.importorskip("trackio")
+    trainer = make_trainer(
+        tmp_path,
+        reward_funcs=[scored_with_logs],
+        dataset=prompts(),
+        log_completions=True,
+        num_completions_to_print=2,
+        report_to=["trackio"],
+        project=f"ours-{tmp_path.name}",
+        run_name="run",
+        max_steps=1,
+    )
+    trainer.train()
+    rows = trackio_table(f"ours-{tmp_path.name}", "run")
+    assert len(rows) == 8  # the whole generation batch, not the printed rows
+    table = trainer._last_rollout_table
+    assert rows == [{"step": 1, **dict(zip(table, values))} for values in zip(*table.values())]
+    assert "first_char" in capsys.readouterr().out  # printed too
+
+
+def test_clip_and_time_metrics_of_every_step(tmp_path):
+    """`clip_ratio/low_min`, `/high_max` and `step_time` are logged, and steps whose advantages
+    are all zero log `entropy` and the clip ratios too (exactly 0: no token is clipped without an
+    advantage)."""
+    trainer = make_trainer(
+        tmp_path, reward_funcs=lambda completions, **kwargs: [1.0] * len(completions)
+    )
+    trainer.train()
+    for entry in trainer.state.log_history[:-1]:
+        assert entry["frac_reward_zero_std"] == 1.0  # no step has a learning signal
+        assert entry["entropy"] > 0 and entry["step_time"] > 0
+        for key in ("low_mean", "high_mean", "region_mean", "low_min", "high_max"):
+            assert entry[f"clip_ratio/{key}"] == 0.0
+
+
+# Metrics of trl.GRPOTrainer that this trainer does not log on the same settings, with the reason.
+NOT_LOGGED = {}
+
+
 @matches_trl
-def test_the_same_reward_logs_the_same_metrics_and_columns_in_trl(tmp_path, tiny_model_dir):
+def test_the_same_script_logs_trls_metrics_columns_and_table(tmp_path, tiny_model_dir):
+    """trl.GRPOTrainer and ours on the same settings and reward functions: every metric TRL
+    logs is logged, those of `log_metric` with the same values, and the completions table sent
+    to trackio has TRL's columns."""
     import trl
 
+    pytest.importorskip("trackio")
     common = dict(
         use_cpu=True,
         max_steps=1,
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
-        report_to="none",
         save_strategy="no",
         log_completions=True,
+        report_to=["trackio"],
+        run_name="run",
+        logging_steps=1,
         seed=0,
     )
     reward_funcs = [scored_with_logs, scored_with_kwargs]
     theirs = trl.GRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=reward_funcs,
-        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), bf16=False, **common),
+        args=trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), bf16=False, project=f"trl-{tmp_path.name}", **common
+        ),
         train_dataset=prompts(),
     )
     theirs.train()
@@ -120,14 +176,38 @@ def test_the_same_reward_logs_the_same_metrics_and_columns_in_trl(tmp_path, tiny
         reward_funcs=reward_funcs,
         dataset=prompts(),
         peft=False,
-        **{**common, "report_to": "none"},
+        project=f"ours-{tmp_path.name}",
+        **common,
     )
     ours.train()
     their_log, our_log = theirs.state.log_history[0], ours.state.log_history[0]
+    missing = sorted(set(their_log) - set(our_log) - set(NOT_LOGGED))
+    assert missing == []
     for name in ("batch/calls", "kwargs/completions"):
         assert our_log[name] == their_log[name], name
     assert their_log["batch/calls"] == 2.0 and their_log["kwargs/completions"] == 4.0
-    (parquet,) = glob.glob(os.path.join(tmp_path, "trl", "completions", "*.parquet"))
-    their_columns = list(pandas.read_parquet(parquet).columns)
-    our_columns = ["step", *ours._last_rollout_table]  # TRL's table starts with the step
-    assert our_columns == their_columns
+    their_rows = trackio_table(f"trl-{tmp_path.name}", "run")
+    our_rows = trackio_table(f"ours-{tmp_path.name}", "run")
+    assert len(our_rows) == len(their_rows) == 4
+    assert list(our_rows[0]) == list(their_rows[0])  # step, prompt, completion, ..., advantage
+    assert [row["prompt"] for row in our_rows] == [row["prompt"] for row in their_rows]
+
+
+def test_log_unique_prompts_sends_each_prompt_once(tmp_path):
+    trackio = pytest.importorskip("trackio")
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.metrics import log_completions
+
+    table = {"prompt": ["a", "a", "b", "b"], "completion": ["1", "2", "3", "4"], "r": [0.0] * 4}
+    args = SimpleNamespace(
+        report_to=["trackio"], log_unique_prompts=True, num_completions_to_print=0
+    )
+    trackio.init(project=f"unique-{tmp_path.name}", name="run")
+    log_completions({**table, "advantage": [0.0] * 4}, 3, args)
+    trackio.finish()
+    rows = trackio_table(f"unique-{tmp_path.name}", "run")
+    assert [(row["step"], row["prompt"], row["completion"]) for row in rows] == [
+        (3, "a", "1"),
+        (3, "b", "3"),
+    ]

@@ -54,8 +54,8 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "use_transformers_continuous_batching": "leave it false; generation is batched per group",
     "use_transformers_paged": "leave it false",
     "transformers_continuous_batching_config": "leave it unset",
-    "log_unique_prompts": "leave it false; log_completions prints every row",
-    "log_completions_hub_repo": "leave it unset; log_completions prints the table",
+    "log_completions_hub_repo": "leave it unset; log_completions prints the table and sends it "
+    "to the trackers of report_to",
 }
 
 
@@ -418,13 +418,18 @@ class GroupRelativeConfig(TrainingArguments):
     # Logging
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a table of sample prompts, completions and rewards when logging."},
+        metadata={
+            "help": "When logging, print a table of the latest generation batch's prompts, "
+            "completions, rewards and advantages, and send it (as TRL) to the trackers of "
+            "report_to that have tables (wandb, trackio) as `completions`."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Rows of the completions table; None prints all."}
     )
     log_unique_prompts: bool = field(
-        default=False, metadata={"help": "Log each prompt once in the completions table (TRL)."}
+        default=False,
+        metadata={"help": "Each prompt once in the table sent to the trackers (as TRL)."},
     )
     log_multimodal: bool = field(
         default=True, metadata={"help": "Log images of multimodal prompts (TRL; text only here)."}
