@@ -1,12 +1,17 @@
 """Shared fixtures: the offline environment and the tiny model built in code."""
 
 import os
+import tempfile
 
 # Without these, any hub lookup hangs for about 50 s before failing on a machine without network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# trackio (the tests that report to it) writes to a folder of this run, not the user's.
+os.environ.setdefault(
+    "TRACKIO_DIR", os.path.join(tempfile.gettempdir(), f"trl_grpo_ext-trackio-{os.getpid()}")
+)
 
 import pytest  # noqa: E402
 

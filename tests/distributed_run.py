@@ -22,16 +22,29 @@ def prompt_value(prompts, completions, answer, trainer_state, **kwargs):
     return [float(value) for value in answer]
 
 
+def logs_by_rank(completions, log_metric, log_extra, **kwargs):
+    """Logs a metric of each process's own name, one of all, and a column on rank 0 only (TRL's
+    `log_metric` and `log_extra`); scores 0, which changes no advantage."""
+    log_metric(f"rank/{rank}", float(rank + 1))
+    log_metric("rank/all", float(rank))
+    if rank == 0:
+        log_extra("rank_0_only", ["x"] * len(completions))
+    return [0.0] * len(completions)
+
+
 trainer = make_trainer(
     output_dir,
-    reward_funcs=[prompt_value, odd_first_byte],
+    reward_funcs=[prompt_value, odd_first_byte, logs_by_rank],
     dataset=digit_sums(4),
     per_device_train_batch_size=per_device,
     max_steps=3,
+    log_completions=True,
+    num_completions_to_print=0,
 )
 trainer.train()
 weights = sum(
     p.detach().double().sum().item() for p in trainer.model.parameters() if p.requires_grad
 )
 with open(os.path.join(output_dir, f"result-{rank}.json"), "w") as handle:
-    json.dump({"log": trainer.state.log_history, "weights": weights}, handle)
+    table = trainer._last_rollout_table
+    json.dump({"log": trainer.state.log_history, "weights": weights, "table": table}, handle)

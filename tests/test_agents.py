@@ -359,8 +359,15 @@ def test_a_run_with_environments_resumes_bit_identical(tmp_path):
         tmp_path / "resumed", str(checkpoint), save_strategy="no"
     )
     assert all(torch.equal(weights[n], resumed_weights[n]) for n in weights)
-    logs = [e for e in resumed.state.log_history if "loss" in e]
-    assert logs == [e for e in straight.state.log_history if "loss" in e]  # all 4 steps
+
+    def logs(trainer):  # without `step_time`, a wall-clock time
+        return [
+            {k: v for k, v in e.items() if k != "step_time"}
+            for e in trainer.state.log_history
+            if "loss" in e
+        ]
+
+    assert logs(resumed) == logs(straight)  # all 4 steps
 
 
 def test_dynamic_sampling_resamples_multi_turn_groups_with_their_masks(tmp_path):
@@ -421,9 +428,60 @@ def test_evaluate_runs_multi_turn_rollouts_and_scores_their_environments(tmp_pat
 
 
 def test_prompts_whose_tool_schemas_do_not_fit_are_an_error_not_a_cut(tmp_path):
+    """max_prompt_length limits what the user wrote: a prompt whose own messages are too long
+    is an error (a cut from the left would drop the schemas), the schemas never count."""
     trainer = tool_trainer(tmp_path, tools=[add], max_prompt_length=64)
-    with pytest.raises(ValueError, match="max_prompt_length=64.*tools' descriptions"):
-        trainer.generate_rollouts([{"prompt": chat("1 + 5?")}])
+    with pytest.raises(ValueError, match="max_prompt_length=64 tokens without their tools'"):
+        trainer.generate_rollouts([{"prompt": chat("1 + 5? " + "Think hard. " * 8)}])
+
+
+def test_the_limit_on_prompts_leaves_out_the_tools_schemas(tmp_path):
+    trainer = tool_trainer(tmp_path, tools=[add], max_prompt_length=64)
+    trainer.rollouts.engine = ScriptedEngine(calls_then_answers(trainer.processing_class)[0])
+    rollout = trainer.generate_rollouts([{"prompt": chat("1 + 5?")}])
+    # kept whole: several hundred tokens with the schema, far more than 64
+    assert rollout.prompt_mask.sum(dim=1).min() > 300
+    rendered = trainer.processing_class.apply_chat_template(
+        chat("1 + 5?"), tools=[add], tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+        == encode(trainer.processing_class, rendered)[:-1]
+    )  # `encode` appends eos
+
+
+def test_a_trl_tool_script_trains_with_the_default_config(tmp_path):
+    """TRL has no max_prompt_length: a TRL tool script, the import changed, runs with our
+    default (512), although its tools' schemas alone are longer than that."""
+    from trl_grpo_ext import GroupRelativeConfig as GRPOConfig
+    from trl_grpo_ext import GroupRelativeTrainer as GRPOTrainer
+
+    tokenizer = qwen3_tokenizer()
+    dataset = Dataset.from_list([{"prompt": chat(f"{a} + 5?")} for a in range(4)])
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tokenizer, seed=0),
+        processing_class=tokenizer,
+        reward_funcs=rewards_by_length,
+        train_dataset=dataset,
+        tools=[add, divide],
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to="none",
+            max_steps=1,
+            num_generations=2,
+            per_device_train_batch_size=4,
+        ),
+    )
+    assert trainer.args.max_prompt_length == 512
+    trainer.rollouts.engine = ScriptedEngine(calls_then_answers(tokenizer)[0])
+    recording = Recording(trainer)
+    trainer.train()
+    batch = recording.batches[0]
+    width = batch["completion_ids"].shape[1]
+    prompt_tokens = batch["attention_mask"][:, :-width].sum(dim=1)  # (B,)
+    assert prompt_tokens.min() > 512  # the schemas of two tools, kept whole
+    assert trainer.state.log_history[0]["tools/call_frequency"] == 1.0
 
 
 def divide(a: int, b: int) -> float:

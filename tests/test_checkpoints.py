@@ -214,8 +214,13 @@ ASYNC = dict(
 
 
 def step_logs(trainer):
-    """The per-step log entries (loss and metrics), without the run summary."""
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
+    """The per-step log entries (loss and metrics), without the run summary and `step_time`,
+    a wall-clock time."""
+    return [
+        {key: value for key, value in entry.items() if key != "step_time"}
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    ]
 
 
 def straight(folder, config, dataset):

@@ -87,6 +87,21 @@ def test_logged_rewards_match_one_process_on_the_same_data(runs):
     assert len(one_calls[0]) == 3
 
 
+def test_metrics_and_table_of_all_processes(runs):
+    """`log_metric` values over all processes (each name, whichever process logged it), the
+    clip ratios' extremes, and the completions table with every process's rows."""
+    (one, _), (two, _) = runs
+    for entry in [e for e in two[0]["log"] if "reward" in e]:
+        assert entry["rank/0"] == 1.0 and entry["rank/1"] == 2.0
+        assert entry["rank/all"] == 0.5  # (0 + 1) / 2
+        assert "clip_ratio/low_min" in entry and "step_time" in entry
+    assert [e["rank/all"] for e in one[0]["log"] if "reward" in e] == [0.0] * 3
+    table = two[0]["table"]
+    assert len(table["prompt"]) == 16 and len(table["advantage"]) == 16  # 2 processes x 8
+    assert table["rank_0_only"] == ["x"] * 8 + [None] * 8
+    assert table == two[1]["table"]  # the same on every process
+
+
 def quantile(values, q):
     """The q-quantile with linear interpolation between order statistics (torch.quantile's)."""
     ordered = sorted(values)

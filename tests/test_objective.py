@@ -126,8 +126,10 @@ def reference_policy_loss(
     token_losses = []  # per sequence: list of 0-d tensors, one per completion token
     sums = dict(low=0.0, high=0.0, ratio=0.0, kl=0.0, cispo=0.0, phi=0.0)
     per_sequence = level == "sequence"  # TRL averages one-per-sequence statistics over sequences
+    sequence_low, sequence_high = [], []  # per sequence: the fraction clipped low, high
     for b in range(batch_size):
         tokens = [t for t in range(seq_len) if completion_mask[b, t]]
+        low = high = 0.0
         advantage = advantages[b].item()
         # s_i = exp(1/|o_i| sum_t log(pi / pi_old)), differentiable as a whole
         seq_log_ratio = sum((logps[b, t] - old_logps[b, t] for t in tokens), torch.zeros(()))
@@ -187,11 +189,19 @@ def reference_policy_loss(
                 sums["kl"] += kl.item()
             losses.append(loss)
             if not per_sequence or t == tokens[0]:  # once per sequence at the sequence level
-                sums["low"] += float(ratio.item() < 1 - epsilon_low and advantage < 0)
-                sums["high"] += float(ratio.item() > 1 + epsilon_high and advantage > 0)
+                low += float(ratio.item() < 1 - epsilon_low and advantage < 0)
+                high += float(ratio.item() > 1 + epsilon_high and advantage > 0)
                 sums["cispo"] += float(ratio.item() > epsilon_high and advantage > 0)
                 sums["ratio"] += ratio.item()
         token_losses.append(losses)
+        sums["low"] += low
+        sums["high"] += high
+        if per_sequence:  # one value per sequence (not clipped without tokens: its ratio is 1)
+            sequence_low.append(low)
+            sequence_high.append(high)
+        elif tokens:  # a sequence without tokens has no fraction, as TRL's nanmin leaves it out
+            sequence_low.append(low / len(tokens))
+            sequence_high.append(high / len(tokens))
 
     num_tokens = sum(len(losses) for losses in token_losses)
     total = sum((sum(losses, torch.zeros(())) for losses in token_losses), torch.zeros(()))
@@ -214,6 +224,8 @@ def reference_policy_loss(
         stats["clip_ratio/low_mean"] = sums["low"] / count
         stats["clip_ratio/high_mean"] = sums["high"] / count
         stats["clip_ratio/region_mean"] = (sums["low"] + sums["high"]) / count
+        stats["clip_ratio/low_min"] = min(sequence_low) if sequence_low else NAN
+        stats["clip_ratio/high_max"] = max(sequence_high) if sequence_high else NAN
     elif loss_type == "cispo":
         stats["cispo_clip_ratio"] = sums["cispo"] / count
     elif loss_type == "vespo":
@@ -436,6 +448,20 @@ def test_policy_loss_by_hand(loss_type):
     assert stats["clip_ratio/region_mean"].item() == pytest.approx(1 / 5)
     assert stats["ratio_mean"].item() == pytest.approx((1 + 1.5 + 0.5 + 1 + 1.5) / 5)
     assert "kl" not in stats and all(not v.requires_grad for v in stats.values())
+
+
+def test_clip_ratio_extremes_are_over_sequences_by_hand():
+    """TRL's `clip_ratio/low_min` and `/high_max`: the fraction of each sequence's tokens
+    clipped, then the smallest and largest over sequences; a sequence without tokens is left
+    out (TRL's nanmin of 0 / 0)."""
+    logps = torch.log(torch.tensor([[0.5, 1.0], [0.5, 0.5], [1.0, 1.0]]))
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]])
+    advantages = torch.tensor([-1.0, -1.0, -1.0])
+    _, stats = loss_with(logps, torch.zeros(3, 2), advantages, mask, loss_type="grpo")
+    # ratio 0.5 < 0.8 with A < 0 is clipped low: 1 of 2 tokens, then 1 of 1
+    assert stats["clip_ratio/low_min"].item() == 0.5
+    assert stats["clip_ratio/high_max"].item() == 0.0
+    assert stats["clip_ratio/low_mean"].item() == pytest.approx(2 / 3)
 
 
 def test_policy_loss_normalisers_by_hand():

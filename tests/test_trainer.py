@@ -289,11 +289,12 @@ def test_model_from_a_local_folder(tmp_path, tiny_model_dir):
 
 class CountingForwards:
     def __init__(self, model):
-        self.calls = 0
+        self.calls = self.without_gradient = 0
         model.register_forward_pre_hook(self.hook)
 
     def hook(self, module, args):
         self.calls += 1
+        self.without_gradient += not torch.is_grad_enabled()
 
 
 def test_no_extra_forward_for_old_logps_with_one_iteration(tmp_path):
@@ -314,10 +315,11 @@ def constant_when_a_is_zero(prompts, completions, **kwargs):
     ]
 
 
-def test_micro_batches_without_signal_skip_the_model_and_change_nothing(tmp_path, monkeypatch):
+def test_micro_batches_without_signal_skip_the_backward_and_change_nothing(tmp_path, monkeypatch):
     """A micro-batch whose advantages are all zero (here one group of a `0+b=` prompt) has a
-    loss and gradient of exactly 0: it skips the forward and backward passes, and training ends
-    with the same losses and weights as computing it."""
+    loss and gradient of exactly 0: its forward pass runs without gradient, for the metrics,
+    and it skips the backward pass. Training ends with the same losses, weights and metrics
+    (entropy and clip ratios included, as TRL logs them) as computing it."""
     config = dict(
         reward_funcs=constant_when_a_is_zero,
         dataset=digit_sums(3),
@@ -332,7 +334,7 @@ def test_micro_batches_without_signal_skip_the_model_and_change_nothing(tmp_path
         counter = CountingForwards(trainer.model.get_base_model())
         trainer.train()
         weights = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        return trainer, counter.calls, weights
+        return trainer, counter, weights
 
     skipping, skipping_calls, skipping_weights = run("skip")
     with monkeypatch.context() as patch:
@@ -341,8 +343,11 @@ def test_micro_batches_without_signal_skip_the_model_and_change_nothing(tmp_path
     assert logged(skipping, "frac_reward_zero_std") == logged(computing, "frac_reward_zero_std")
     skipped = sum(logged(computing, "frac_reward_zero_std")) * 2  # groups = micro-batches
     assert skipped >= 2  # the toy data has groups without signal
-    assert computing_calls - skipping_calls == skipped
-    assert logged(skipping, "loss") == logged(computing, "loss")
+    assert skipping_calls.calls == computing_calls.calls  # every micro-batch runs the model
+    # ... and those without signal without gradient (sampling runs without gradient too)
+    assert skipping_calls.without_gradient - computing_calls.without_gradient == skipped
+    for key in ("loss", "entropy", "clip_ratio/region_mean", "clip_ratio/low_min"):
+        assert logged(skipping, key) == logged(computing, key), key
     for name, value in computing_weights.items():
         torch.testing.assert_close(skipping_weights[name], value, rtol=0, atol=0)
 

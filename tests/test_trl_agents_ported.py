@@ -16,8 +16,9 @@ test it comes from and keeps its assertions. What changed, everywhere:
   the k-th engine call's turns, one per rollout, so `[first, second] * steps` replays TRL's
   `fake_generate` (first call: every rollout; second: those whose tool call got a result).
 - The byte-level tokenizer spends one token per byte, so where TRL's lengths would cut a tool
-  result off, `max_completion_length` is larger, and `max_prompt_length=None` keeps the tools'
-  schemas whole; fewer steps than TRL's default three epochs keep the CPU time short.
+  result off, `max_completion_length` is larger (`max_prompt_length` keeps its default: the
+  tools' schemas do not count toward it); fewer steps than TRL's default three epochs keep the
+  CPU time short.
 - TRL's `@patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1"})` is dropped: ours does not
   warn that these arguments are experimental.
 
@@ -100,7 +101,6 @@ def config(tmp_path, **kwargs) -> GroupRelativeConfig:
             "report_to": "none",
             "save_strategy": "no",
             "disable_tqdm": True,
-            "max_prompt_length": None,  # the tools' schemas are long in bytes
             "seed": 0,
             **kwargs,
         }

@@ -16,9 +16,9 @@ line each. Everywhere:
 - The tiny model is random and writes no tool calls, so the trainer's engine is replaced by
   `agent_helpers.ScriptedEngine`, a model that reads its context and writes the calls a trained
   model would: the examples are about the tool loop.
-- Config: `max_steps` of 1 or 2, 2 to 4 completions per step, `use_cpu=True`, `report_to="none"`,
-  and `max_prompt_length=None` (the byte-level tiny tokenizer spends one token per byte, so the
-  tools' schemas pass our default of 512 prompt tokens; trl has no such limit).
+- Config: `max_steps` of 1 or 2, 2 to 4 completions per step, `use_cpu=True`, `report_to="none"`.
+  `max_prompt_length` keeps our default of 512: the tools' schemas, more than 512 tokens in the
+  byte-level tiny tokenizer, do not count toward it.
 
 Not ported:
 - grpo_trainer.md "Multimodal Tool Responses": a tool returning an image for a VLM; tool results
@@ -63,7 +63,6 @@ def offline(tmp_path, *set_by_example: str, **overrides) -> dict:
         "report_to": "none",
         "save_strategy": "no",
         "disable_tqdm": True,
-        "max_prompt_length": None,
         "per_device_train_batch_size": 2,
         "num_generations": 2,
         "max_steps": 1,

@@ -35,7 +35,9 @@ from .off_policy import IMPORTANCE_SAMPLING_MODES, equivalent_settings
 TRL_DIFFERENCES: dict[str, str] = {
     "max_prompt_length": "Not a field of trl 1.16, which never truncates prompts. Here prompts "
     "longer than 512 tokens are cut from the left (with a warning), so one long prompt cannot "
-    "exhaust memory; set it to None for TRL's behaviour.",
+    "exhaust memory; set it to None for TRL's behaviour. With tools the limit is on the prompt "
+    "rendered without the tools' schemas, which never count and are never cut, so a TRL tool "
+    "script runs unchanged; a prompt whose own messages are longer is an error, not a cut.",
     "max_completion_length": "256 instead of 512: the presets set it explicitly, and 256 keeps the "
     "defaults usable on a CPU or a consumer GPU.",
     "gradient_checkpointing": "Off instead of on: it trades about a third more compute for memory, "
@@ -52,8 +54,8 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "use_transformers_continuous_batching": "leave it false; generation is batched per group",
     "use_transformers_paged": "leave it false",
     "transformers_continuous_batching_config": "leave it unset",
-    "log_unique_prompts": "leave it false; log_completions prints every row",
-    "log_completions_hub_repo": "leave it unset; log_completions prints the table",
+    "log_completions_hub_repo": "leave it unset; log_completions prints the table and sends it "
+    "to the trackers of report_to",
 }
 
 
@@ -180,7 +182,12 @@ class GroupRelativeConfig(TrainingArguments):
     )
     max_prompt_length: int | None = field(
         default=512,
-        metadata={"help": "Prompts longer than this many tokens are truncated from the left."},
+        metadata={
+            "help": "Prompts longer than this many tokens are truncated from the left (None: "
+            "never; TRL has no such limit). With tools it applies to the prompt rendered without "
+            "the tools' schemas, which never count: such a prompt is kept whole, and one whose "
+            "own messages are longer is an error."
+        },
     )
     max_completion_length: int = field(
         default=256,
@@ -411,13 +418,18 @@ class GroupRelativeConfig(TrainingArguments):
     # Logging
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a table of sample prompts, completions and rewards when logging."},
+        metadata={
+            "help": "When logging, print a table of the latest generation batch's prompts, "
+            "completions, rewards and advantages, and send it (as TRL) to the trackers of "
+            "report_to that have tables (wandb, trackio) as `completions`."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Rows of the completions table; None prints all."}
     )
     log_unique_prompts: bool = field(
-        default=False, metadata={"help": "Log each prompt once in the completions table (TRL)."}
+        default=False,
+        metadata={"help": "Each prompt once in the table sent to the trackers (as TRL)."},
     )
     log_multimodal: bool = field(
         default=True, metadata={"help": "Log images of multimodal prompts (TRL; text only here)."}

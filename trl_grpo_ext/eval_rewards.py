@@ -46,6 +46,9 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
             rows = [dataset[i] for i in indices[start : start + chunk]]
             rollout = trainer.generate_rollouts(rows)
             rewards = trainer.score_rollouts(rollout).to(sums.device)
+            for key, value in trainer.reward_logs.take_metrics().items():  # `log_metric`
+                batches[key].append(value)
+            trainer.reward_logs.take_extra(None)  # the completions table is of training batches
             total = weighted_rewards(rewards, trainer.reward_weights.to(sums.device))
             values = torch.cat([total.unsqueeze(1), rewards], dim=1)  # (N, 1 + F)
             valid = ~values.isnan()

@@ -285,6 +285,22 @@ def _statistic_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _masked_mean(values.expand_as(mask), mask)
 
 
+def _statistic(name: str, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A statistic named `.../<x>_min` or `.../<x>_max` is the smallest or largest per-sequence
+    mean (over its unmasked tokens; the value itself at the sequence level), sequences without
+    tokens left out, NaN when none is left (TRL's `nanmin` / `nanmax`); any other, the mean of
+    `_statistic_mean`."""
+    extreme = {"_min": torch.min, "_max": torch.max}.get(name[-4:])
+    if extreme is None:
+        return _statistic_mean(values, mask)
+    if values.shape[-1] == 1:  # (B, 1): one value per sequence
+        per_sequence = values.squeeze(-1)  # (B,)
+    else:
+        per_sequence = (values * mask).sum(-1) / mask.sum(-1)  # (B,), NaN without tokens
+    per_sequence = per_sequence[~per_sequence.isnan()]
+    return extreme(per_sequence) if len(per_sequence) else values.new_tensor(float("nan"))
+
+
 # ----------------------------------------------------------------------------------------------
 # Masks of tokens and sequences (entropy selection, off-policy sequence masking)
 # ----------------------------------------------------------------------------------------------
@@ -494,6 +510,8 @@ def _surrogate_clipped(inputs, settings):
             "clip_ratio/low_mean": is_low,
             "clip_ratio/high_mean": is_high,
             "clip_ratio/region_mean": is_low | is_high,
+            "clip_ratio/low_min": is_low,  # `_statistic` reduces these by the name's suffix
+            "clip_ratio/high_max": is_high,
         }
     return _with_importance_weights(per_token_loss, inputs), stats
 
@@ -780,7 +798,9 @@ def policy_loss(
         weight), as TRL logs them: `"ratio_mean"`; for the clipped loss types
         `"clip_ratio/low_mean"` (ratio below `1 - epsilon_low` with a negative advantage),
         `"clip_ratio/high_mean"` (ratio above `1 + epsilon_high` with a positive advantage) and
-        `"clip_ratio/region_mean"` (either); `"cispo_clip_ratio"` (ratio above `epsilon_high`
+        `"clip_ratio/region_mean"` (either), `"clip_ratio/low_min"` and `"clip_ratio/high_max"`
+        (the smallest and largest fraction of one sequence's tokens clipped low or high: one
+        value per sequence at the `"sequence"` level); `"cispo_clip_ratio"` (ratio above `epsilon_high`
         with a positive advantage) for "cispo"; `"vespo/phi_seq_mean"` for "vespo"; and `"kl"`
         (after the bias correction) when `beta > 0`.
     """
@@ -866,7 +886,7 @@ def policy_loss(
 
     with torch.no_grad():
         stats = {
-            name: _statistic_mean(value.to(mask.dtype), mask)
+            name: _statistic(name, value.to(mask.dtype), mask)
             for name, value in surrogate_stats.items()
         }
         stats["ratio_mean"] = _statistic_mean(ratio.detach(), mask)

@@ -1,7 +1,8 @@
 """Calling reward functions in TRL's convention, and refusing what they return when it is wrong.
 
 A reward function is called with keyword arguments only:
-`f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)` and
+`f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=...,
+log_extra=..., **dataset_columns)` (the trainer's `score_rollouts` passes TRL 1.16's arguments) and
 returns one `float` or `None` ("not applicable") per completion; booleans count as 1.0 / 0.0, as
 in TRL. `async def` functions run concurrently with each other. A function that raises, returns
 something other than a list (a string, a scalar), the wrong number of values, a non-number, or NaN
@@ -141,8 +142,9 @@ def call_reward_funcs(reward_funcs: list[Callable], **kwargs) -> torch.Tensor:
 
     Args:
         reward_funcs (`list[Callable]`): the reward functions.
-        **kwargs: `prompts`, `completions`, `completion_ids`, `trainer_state` and the dataset
-            columns, each a list with one entry per completion (but `trainer_state`).
+        **kwargs: `prompts`, `completions`, `completion_ids`, `trainer_state`, `log_metric`,
+            `log_extra` and the dataset columns, each a list with one entry per completion (but
+            `trainer_state` and the two loggers).
 
     Returns:
         `torch.Tensor` of shape `(N, F)`, float32, NaN where a function returned None.

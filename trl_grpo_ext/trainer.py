@@ -17,12 +17,14 @@ accumulation and data parallelism.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import cached_property
 
 import torch
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
@@ -43,7 +45,15 @@ from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin
 from .logprobs import completion_logprobs, no_grad_logprobs
-from .metrics import completions_table, print_completions, rollout_metrics
+from .metrics import (
+    RewardLogs,
+    completions_table,
+    extremes_over_processes,
+    log_completions,
+    rollout_metrics,
+    staleness_shares,
+    step_means,
+)
 from .models import load_policy, prepare_policy
 from .objective import (
     LOSS_TYPE_TABLE,
@@ -177,6 +187,8 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
+        self._step_started = time.perf_counter()  # of the current optimizer step: `step_time`
+        self.reward_logs = RewardLogs()  # what reward functions log: `log_metric`, `log_extra`
         self.model_card_sections: dict[str, str] = {}
         self.model_card_datasets: list[str] = []  # Hub dataset ids for the card's metadata
         preparation.end_distributed_at_exit(self)
@@ -223,6 +235,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
         args = self.args
+        self._step_started = time.perf_counter()
         if args.max_staleness is None:
             prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         else:
@@ -259,7 +272,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return self.rollouts.generate(rows, self.state.global_step)
 
     def score_rollouts(self, rollout: Rollout) -> torch.Tensor:
-        """Calls every reward function on the rollout.
+        """Calls every reward function on the rollout, with TRL's keyword arguments: the
+        rollout's prompts, completions, `completion_ids`, dataset columns and `environments`,
+        `trainer_state`, and `log_metric` and `log_extra` (`metrics.RewardLogs`).
 
         Returns:
             `torch.Tensor` of shape `(N, F)`: one column per reward function, NaN where a
@@ -271,6 +286,8 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             completions=rollout.completions,
             completion_ids=rollout.completion_id_lists(),
             trainer_state=self.state,
+            log_metric=self.reward_logs.log_metric,
+            log_extra=self.reward_logs.log_extra,
             **({} if rollout.environments is None else {"environments": rollout.environments}),
             **rollout.columns,
         )
@@ -298,21 +315,17 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         divided by the accumulation steps, which is exact for "grpo" and "dr_grpo" (every
         micro-batch has the same number of sequences) and is TRL's definition for "bnpo".
 
-        A micro-batch with no non-zero advantage (and `beta == 0`, one process) returns a zero
-        loss without running the model: its loss and gradient are exactly 0 anyway.
+        A micro-batch with no non-zero advantage (and `beta == 0`, one process) has a loss and
+        gradient of exactly 0: it runs the model without gradient, for its metrics (TRL logs
+        them on every micro-batch), and skips the backward pass.
 
         Returns:
-            `(loss, metrics)`; metrics are floats, averaged over the micro-batches that ran the
-            model when logged.
+            `(loss, metrics)`; metrics are floats, averaged over the micro-batches when logged.
         """
         args = self.args
-        if self._carries_no_signal(batch):
-            # Every term of the loss is an advantage times something: the loss and its
-            # gradient are exactly 0, so skip the forward and backward passes. Zero gradients
-            # still reach the optimizer (Adam's moments and weight decay step as usual).
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            return sum(p.view(-1)[0] for p in trainable) * 0.0, {}
-        logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        no_signal = self._carries_no_signal(batch)
+        with torch.no_grad() if no_signal else nullcontext():
+            logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             entropy_mask = high_entropy_mask(
@@ -345,8 +358,14 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             # so it is scaled for gradient accumulation only.
             bonus = entropy_bonus(entropy, mask, entropy_mask)
             loss = loss - args.entropy_coef * bonus / self.current_gradient_accumulation_steps
-        metrics = {key: value.item() for key, value in stats.items()}
-        metrics["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        metrics = extremes_over_processes(stats, self.accelerator.gather)
+        if no_signal:
+            # Every term of the loss is an advantage times something: the loss and its gradient
+            # are exactly 0, so no backward pass. Zero gradients still reach the optimizer
+            # (Adam's moments and weight decay step as usual).
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            loss = sum(p.view(-1)[0] for p in trainable) * 0.0
         return loss, metrics
 
     # ------------------------------------------------------------------ internals
@@ -421,6 +440,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
 
     def _make_generation_batch(self, rows: list[dict], index: int = 0) -> list[dict]:
         args = self.args
+        self.reward_logs.clear()  # what was logged outside a generation batch is not of it
         if args.dynamic_sampling:
             device = self.accelerator.device
             rollout, rewards, trainable, metrics = sample_informative(
@@ -452,7 +472,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         local = len(rollout)
         start = self.accelerator.process_index * local
         advantages = all_advantages[start : start + local]  # (N,)
-        self._record_rollout_metrics(rollout, all_rewards, advantages)
+        self._record_rollout_metrics(rollout, all_rewards, all_advantages)
 
         tensors = training_tensors(
             rollout,
@@ -481,21 +501,26 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             lambda tokens: self.accelerator.reduce(tokens, reduction="sum"),
         )
 
-    def _record_rollout_metrics(self, rollout: Rollout, all_rewards, advantages):
+    def _record_rollout_metrics(self, rollout: Rollout, all_rewards, all_advantages):
+        gather = lambda tensor: self.accelerator.gather(tensor.to(self.accelerator.device))  # noqa: E731
         metrics, tokens = rollout_metrics(
-            rollout,
-            all_rewards,
-            self.reward_weights,
-            self.reward_names,
-            lambda tensor: self.accelerator.gather(tensor.to(self.accelerator.device)),
+            rollout, all_rewards, self.reward_weights, self.reward_names, gather
         )
+        metrics.update(self.reward_logs.take_metrics(gather_object, gather))
         for key, value in metrics.items():
             self._metrics[key].append(value)
         self.state.num_input_tokens_seen += tokens
+        extra = self.reward_logs.take_extra(None if self.args.dynamic_sampling else len(rollout))
         if self.args.log_completions:
             self._last_rollout_table = completions_table(
-                rollout, all_rewards, self.reward_names, advantages
+                rollout, all_rewards, self.reward_names, all_advantages, extra, gather_object
             )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # the optimizer step's last micro-batch: TRL's time
+            self._metrics["step_time"].append(time.perf_counter() - self._step_started)
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -508,26 +533,16 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        table = None
         if self._metrics and not any(key.startswith("eval_") for key in logs):
-            names = sorted(self._metrics)
-            means = torch.tensor(
-                [sum(self._metrics[name]) / len(self._metrics[name]) for name in names],
-                device=self.accelerator.device,
-            )
-            means = self.accelerator.reduce(means, reduction="mean")
-            logs = {
-                **logs,
-                **dict(zip(names, means.tolist())),
-                "num_tokens": self.state.num_input_tokens_seen,
-            }
+            means = step_means(self._metrics, self.accelerator.gather, self.accelerator.device)
+            logs = {**logs, **means, "num_tokens": self.state.num_input_tokens_seen}
+            logs.update(staleness_shares(self.rollouts.staleness_counts))
             self._metrics.clear()
-            counts = self.rollouts.staleness_counts
-            for staleness, count in sorted(counts.items()):
-                logs[f"async/staleness_hist/{staleness}"] = count / sum(counts.values())
-            counts.clear()
-            if self._last_rollout_table is not None and self.accelerator.is_main_process:
-                print_completions(self._last_rollout_table, self.args.num_completions_to_print)
+            table = self._last_rollout_table if self.accelerator.is_main_process else None
         super().log(logs, start_time)
+        if table is not None:  # printed and sent to the trackers after the step's metrics
+            log_completions(table, self.state.global_step, self.args)
 
     # ------------------------------------------------------------- evaluation
 

@@ -74,7 +74,6 @@ args = GroupRelativeConfig(
     num_generations=2,
     per_device_train_batch_size=4,  # 2 prompts x 2 rollouts per step
     max_completion_length=64,  # the model's turns and the tool results together
-    max_prompt_length=None,  # the tools' schemas are in the prompt: never cut it
     max_tool_calling_iterations=4,  # tool rounds per rollout at most
     tool_call_timeout=10.0,  # seconds; a slower call comes back as an error result
     max_steps=1,

@@ -53,7 +53,9 @@ class PromptEncoder:
     Args:
         tokenizer: the tokenizer (its chat template renders conversational prompts).
         max_prompt_length (`int`, *optional*): longer prompts keep their last tokens; the first
-            time this happens a warning says how many prompts of that batch were cut.
+            time this happens a warning says how many prompts of that batch were cut. Prompts
+            rendered with tools are measured without the tools' schemas, and never cut: one
+            longer than this without them is an error.
         chat_template_kwargs (`dict`, *optional*): extra arguments of `apply_chat_template`
             (e.g. `{"enable_thinking": False}` for Qwen3).
         chat_template (`str`, *optional*): renders instead of the tokenizer's own (the
@@ -98,16 +100,26 @@ class PromptEncoder:
         )
         prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (B, P)
         limit = self.max_prompt_length
+        if limit is not None and prompt_ids.shape[1] > limit and any(tools):
+            # The limit is on what the user wrote, never on the tools' schemas, which the chat
+            # template renders first: a prompt fits when it fits rendered without them, and is
+            # then kept whole. One whose own messages do not fit is an error, not a cut (a cut
+            # from the left would drop the schemas).
+            own = self.tokenizer(
+                [self.render(prompt) for prompt in prompts], add_special_tokens=False
+            )["input_ids"]
+            too_long = [len(ids) for ids in own if len(ids) > limit]
+            if too_long:
+                raise ValueError(
+                    f"{len(too_long)} of {len(texts)} prompts are longer than "
+                    f"max_prompt_length={limit} tokens without their tools' schemas (the longest "
+                    f"has {max(too_long)}). Cutting them from the left would drop the tools' "
+                    "descriptions, which the chat template puts first: raise max_prompt_length, "
+                    "or set it to None (TRL does not cut prompts)."
+                )
+            return prompt_ids, prompt_mask
         if limit is not None and prompt_ids.shape[1] > limit:
             cut = int((prompt_mask.sum(dim=1) > limit).sum())
-            if tools is not None and any(tools):
-                raise ValueError(
-                    f"{cut} of {len(texts)} prompts rendered with their tools' schemas are longer "
-                    f"than max_prompt_length={limit} tokens (the longest has "
-                    f"{int(prompt_mask.sum(dim=1).max())}). Cutting them from the left would drop "
-                    "the tools' descriptions, which the chat template puts first: raise "
-                    "max_prompt_length, or set it to None (TRL does not cut prompts)."
-                )
             if cut and not self.num_truncated:
                 warnings.warn(
                     f"{cut} of {len(texts)} prompts in this batch are longer than "
