@@ -18,8 +18,19 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Runs the test command $(2) under a temp folder of its own, $(1), which must be empty once it is
+# done: engines, servers, sandboxes and tests leave no socket, folder or file behind (torch's
+# compile cache excepted).
+define without_leftovers
+	mkdir -p $(1)
+	find $(1) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*' -exec rm -rf {} +
+	TMPDIR=$(CURDIR)/$(1) $(2)
+	@left=$$(find $(1) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*'); \
+	if [ -n "$$left" ]; then echo "The tests left in their temp folder:" $$left; exit 1; fi
+endef
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(call without_leftovers,.tmp-test,$(PY) -m pytest -q --basetemp=$(CURDIR)/.pytest-test)
 
 test-slow: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q -m slow
@@ -115,16 +126,9 @@ $(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# Under a temp folder of their own (VLLM_TMP), which must be empty once they are done: engines,
-# servers and tests leave no socket, folder or process behind (torch's compile cache excepted).
-VLLM_TMP := .tmp-vllm
 test-vllm: $(VLLM_STAMP)
-	mkdir -p $(VLLM_TMP)
-	find $(VLLM_TMP) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*' -exec rm -rf {} +
-	TMPDIR=$(CURDIR)/$(VLLM_TMP) VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-		$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engines --basetemp=$(CURDIR)/.pytest-vllm
-	@left=$$(find $(VLLM_TMP) -mindepth 1 -maxdepth 1 ! -name 'torchinductor_*'); \
-	if [ -n "$$left" ]; then echo "The vLLM tests left in their temp folder:" $$left; exit 1; fi
+	$(call without_leftovers,.tmp-vllm,VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+		$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engines --basetemp=$(CURDIR)/.pytest-vllm)
 
 clean-venv-vllm:
 	rm -rf $(VLLM_VENV)

@@ -1,6 +1,8 @@
 """Shared fixtures: the offline environment and the tiny model built in code."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Without these, any hub lookup hangs for about 50 s before failing on a machine without network.
@@ -8,10 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
-# trackio (the tests that report to it) writes to a folder of this run, not the user's.
-os.environ.setdefault(
-    "TRACKIO_DIR", os.path.join(tempfile.gettempdir(), f"trl_grpo_ext-trackio-{os.getpid()}")
-)
+# trackio (the tests that report to it) writes to a folder of this run, not the user's, removed
+# when the run ends.
+_TRACKIO_DIR = tempfile.mkdtemp(prefix="trackio-tests-")
+atexit.register(shutil.rmtree, _TRACKIO_DIR, True)
+os.environ.setdefault("TRACKIO_DIR", _TRACKIO_DIR)
 
 import pytest  # noqa: E402
 

@@ -87,13 +87,13 @@ class WeightPublisher:
         model (`Callable[[], nn.Module]`): returns the unwrapped model (a `PeftModel` under LoRA).
         is_adapter (`bool`): LoRA: publish the adapter only.
         folder (`str`, *optional*): where adapter versions are saved (a temporary folder when
-            None, removed by `close`).
+            None, made at the first save and removed by `close`).
     """
 
     def __init__(self, engine, model, is_adapter: bool, folder: str | None = None):
         self.engine, self.model, self.is_adapter = engine, model, is_adapter
         self._temporary = folder is None
-        self.folder = folder or tempfile.mkdtemp(prefix="trl_grpo_ext-adapters-")
+        self.folder = folder
         self.version: int | None = None  # the version the engine has
         self._lock = threading.Lock()  # `_folders` is shared by the trainer and the worker
         self._folders: dict[int, str] = {}  # version -> adapter folder still on disk
@@ -127,6 +127,8 @@ class WeightPublisher:
         with self._lock:
             if version in self._folders:  # saved already (an evaluation, then the pipeline)
                 return self._folders[version]
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="trl_grpo_ext-adapters-")
         path = os.path.join(self.folder, f"v{version}")
         with gathered(self.model(), adapter_only=True) as model:
             # A PeftModel saves the adapter only. Not resized embeddings, which PEFT would add
@@ -150,7 +152,7 @@ class WeightPublisher:
             shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
-        if self._temporary:
+        if self._temporary and self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
