@@ -173,3 +173,87 @@ def test_the_same_script_gives_the_same_tokens_and_reward_arguments(
     assert ours == theirs
     assert ours["values"] == [2, 2, 2, 2] and ours["target"] == [2, 2, 3, 3]
     assert {"log_metric", "log_extra", "trainer_state"} <= set(ours["keys"])
+
+
+def fixed_rollouts(prompts, trainer):
+    """A `rollout_func` with fields that are not per-completion lists (TRL copies them)."""
+    eos = trainer.processing_class.eos_token_id
+    return {
+        "prompt_ids": [[5, 6]] * len(prompts),
+        "completion_ids": [[10, 11, eos]] * len(prompts),
+        "logprobs": None,
+        "episode_stats": {"steps": 3},
+        "env_name": "maze",
+        "score": [float(i) for i in range(len(prompts))],
+    }
+
+
+def reads_fields(seen: list):
+    def from_fields(completions, episode_stats, env_name, score, **kwargs):
+        seen.append((episode_stats, env_name, score))
+        return score
+
+    return from_fields
+
+
+@pytest.mark.parametrize("side", ["ours", "trl"])
+def test_rollout_func_fields_reach_the_rewards_as_in_trl(side, model_dir, tmp_path, monkeypatch):
+    import trl
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    seen = []
+    rows = Dataset.from_list([{"prompt": "1+1="}, {"prompt": "2+2="}])
+    if side == "ours":
+        args = GroupRelativeConfig(output_dir=str(tmp_path), **SHARED)
+        trainer_class = GroupRelativeTrainer
+    else:
+        args = trl.GRPOConfig(output_dir=str(tmp_path), bf16=False, **SHARED)
+        trainer_class = trl.GRPOTrainer
+    trainer = trainer_class(
+        model=model_dir,
+        reward_funcs=reads_fields(seen),
+        args=args,
+        train_dataset=rows,
+        rollout_func=fixed_rollouts,
+    )
+    trainer.train()
+    assert seen == [([{"steps": 3}] * 4, ["maze"] * 4, [0.0, 1.0, 2.0, 3.0])]
+
+
+@pytest.mark.parametrize("side", ["ours", "trl"])
+def test_evaluate_with_tools_reports_trls_metric_names(side, model_dir, tmp_path, monkeypatch):
+    import trl
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    settings = {**SHARED, "per_device_eval_batch_size": 4}
+    if side == "ours":
+        args = GroupRelativeConfig(output_dir=str(tmp_path), **settings)
+        trainer_class = GroupRelativeTrainer
+    else:
+        args = trl.GRPOConfig(output_dir=str(tmp_path), bf16=False, **settings)
+        trainer_class = trl.GRPOTrainer
+    trainer = trainer_class(
+        model=model_dir,
+        reward_funcs=reached([]),
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(),
+        tools=[add],
+        environment_factory=Counter,
+    )
+    tokenizer = trainer.processing_class
+    script = ScriptedEngine(lambda ids: encode(tokenizer, turn(tokenizer.decode(ids))))
+    if side == "ours":
+        trainer.rollouts.engine = script
+    else:
+
+        def single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            completions = [encode(tokenizer, turn(tokenizer.decode(ids))) for ids in prompt_ids]
+            return completions, [[0.0] * len(ids) for ids in completions]
+
+        trainer._generate_single_turn = single_turn
+    metrics = trainer.evaluate()
+    assert metrics["eval_tools/call_frequency"] == 2.0  # add and increment, in every rollout
+    assert metrics["eval_tools/failure_frequency"] == 0.0
+    for name in ("eval_reward", "eval_reward_std", "eval_completions/mean_length"):
+        assert name in metrics, sorted(metrics)
