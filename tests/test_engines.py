@@ -300,3 +300,20 @@ def test_a_temporary_base_model_copy_is_removed_once_unused(tmp_path):
     del engine_model
     gc.collect()
     assert not os.path.exists(folder)
+
+
+def test_every_engine_implements_the_engine_protocol():
+    """The four samplers have the protocol's methods, with its parameters (checked on the
+    classes: the vLLM ones need vLLM to be built)."""
+    import inspect
+
+    from trl_grpo_ext.generation.engines import Engine
+    from trl_grpo_ext.generation.process_worker import ProcessEngine
+    from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine
+    from trl_grpo_ext.generation.vllm_server import VLLMServerEngine
+
+    for engine in (TransformersEngine, ProcessEngine, VLLMColocateEngine, VLLMServerEngine):
+        for method in ("generate", "close"):
+            ours = inspect.signature(getattr(engine, method)).parameters
+            declared = inspect.signature(getattr(Engine, method)).parameters
+            assert list(ours) == list(declared), (engine.__name__, method)

@@ -50,12 +50,10 @@ from .transformers_engine import TransformersEngine
 class Engine(Protocol):
     """What every sampler implements: `TransformersEngine` (in this process, with the trainer's
     weights), `ProcessEngine` (transformers in a process of its own), `VLLMColocateEngine` and
-    `VLLMServerEngine`. `build_engine` and `build_rollout_engine` build them; an engine that
-    `holds_own_weights` is kept on the trainer's weights by its publisher (`WeightPublisher`,
+    `VLLMServerEngine`. `build_engine` and `build_rollout_engine` build them, each with the
+    publisher that keeps its own copy of the weights current (`WeightPublisher`,
     `ParameterPublisher`: `publish(version)`, or `snapshot` on the trainer's thread and `load`
-    on the worker's)."""
-
-    holds_own_weights: bool
+    on the worker's), or none for the transformers engine, which samples with the trainer's."""
 
     def generate(
         self, prompt_ids, prompt_mask, generation_config, seed: int | None = None

@@ -64,8 +64,6 @@ class ProcessEngine:
             (`rollout_worker_threads`).
     """
 
-    holds_own_weights = True
-
     def __init__(self, model, threads: int = 1):
         # fork needs no importable __main__ and shares the copied model without pickling. Neither
         # CUDA nor the parent's OpenMP thread pool survives a fork (a forked worker with more than

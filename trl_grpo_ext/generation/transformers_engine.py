@@ -200,8 +200,6 @@ class TransformersEngine:
         tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
-    holds_own_weights = False
-
     def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
         self.tokenizer = tokenizer

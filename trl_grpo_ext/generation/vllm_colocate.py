@@ -176,8 +176,6 @@ class VLLMColocateEngine:
             Further `vllm.LLM` arguments (e.g. `dtype`), over the ones above.
     """
 
-    holds_own_weights = True
-
     def __init__(
         self,
         model: str,

@@ -92,8 +92,6 @@ class VLLMServerEngine:
             loading the same name would collide.
     """
 
-    holds_own_weights = True
-
     def __init__(
         self,
         base_url: str,
