@@ -31,7 +31,10 @@ def launch(script, processes, *arguments):
             "--num_processes", str(processes), "--mixed_precision", "no",
             "--main_process_port", str(free_port()), str(script),
         ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    # torchrun's agent leaves a torchelastic_* folder in the temp folder: one of the run's own.
+    temp = Path(arguments[0]) / "tmp"
+    temp.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}
     done = subprocess.run(
         [*command, *map(str, arguments)], env=env, capture_output=True, text=True, timeout=600
     )

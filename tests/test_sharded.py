@@ -51,7 +51,10 @@ def launch(name, tmp_path, output_dir, *extra):
         "--tiny_cache_dir", str(tmp_path / "cache"),
         *extra,
     ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    # torchrun's agent leaves a torchelastic_* folder in the temp folder: one of the run's own.
+    temp = tmp_path / "tmp"
+    temp.mkdir(exist_ok=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}
     # DeepSpeed's CPU accelerator compiles a shared-memory op once, into its own folder.
     env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
