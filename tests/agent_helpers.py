@@ -321,3 +321,15 @@ def assert_trained_on_sampled_turns(trainer, rows, engine_logps: bool = False):
                 assert behaviour[~sampled].eq(0).all()
             i += 1
     assert i == size
+
+
+def script_trl(trainer, turn) -> None:
+    """Makes `trl.GRPOTrainer` write the scripted turns that `ScriptedEngine` writes here:
+    `turn(context_text)` is the text of the next turn (eos added), log-probs 0."""
+    tokenizer = trainer.processing_class
+
+    def single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+        completions = [encode(tokenizer, turn(tokenizer.decode(ids))) for ids in prompt_ids]
+        return completions, [[0.0] * len(ids) for ids in completions]
+
+    trainer._generate_single_turn = single_turn

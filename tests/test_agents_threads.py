@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from agent_helpers import call, encode, needs_trl_1_16, qwen3_tokenizer
+from agent_helpers import call, encode, needs_trl_1_16, qwen3_tokenizer, script_trl
 from datasets import Dataset
 from trl_reference import matches_trl
 
@@ -209,13 +209,7 @@ def trls(name: str, model_dir: str, tmp_path, monkeypatch) -> list:
         train_dataset=dataset(),
         **setup(name),
     )
-    tokenizer = trainer.processing_class
-
-    def single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-        completions = [encode(tokenizer, turn(name, tokenizer.decode(ids))) for ids in prompt_ids]
-        return completions, [[0.0] * len(ids) for ids in completions]
-
-    trainer._generate_single_turn = single_turn
+    script_trl(trainer, lambda context: turn(name, context))
     trainer.train()
     return seen
 

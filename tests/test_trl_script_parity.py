@@ -7,7 +7,15 @@ completion ids, tool masks and reward keyword arguments."""
 from __future__ import annotations
 
 import pytest
-from agent_helpers import ScriptedEngine, add, call, encode, needs_trl_1_16, qwen3_tokenizer
+from agent_helpers import (
+    ScriptedEngine,
+    add,
+    call,
+    encode,
+    needs_trl_1_16,
+    qwen3_tokenizer,
+    script_trl,
+)
 from datasets import Dataset
 from trl_reference import matches_trl
 
@@ -141,13 +149,7 @@ def run_trl(model_dir, tmp_path, monkeypatch):
         tools=[add],
         environment_factory=Counter,
     )
-    tokenizer = trainer.processing_class
-
-    def single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-        completions = [encode(tokenizer, turn(tokenizer.decode(ids))) for ids in prompt_ids]
-        return completions, [[0.0] * len(ids) for ids in completions]
-
-    trainer._generate_single_turn = single_turn
+    script_trl(trainer, turn)
     generate = trainer._generate_and_score_completions
 
     def recording(inputs):
@@ -246,12 +248,7 @@ def test_evaluate_with_tools_reports_trls_metric_names(side, model_dir, tmp_path
     if side == "ours":
         trainer.rollouts.engine = script
     else:
-
-        def single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-            completions = [encode(tokenizer, turn(tokenizer.decode(ids))) for ids in prompt_ids]
-            return completions, [[0.0] * len(ids) for ids in completions]
-
-        trainer._generate_single_turn = single_turn
+        script_trl(trainer, turn)
     metrics = trainer.evaluate()
     assert metrics["eval_tools/call_frequency"] == 2.0  # add and increment, in every rollout
     assert metrics["eval_tools/failure_frequency"] == 0.0
