@@ -59,7 +59,10 @@ class ScriptedEngine:
     list of them, one per row), or a function from a row's context (token ids) to its turn.
     Records each call's contexts. With `logps`, returns log-probs -0.1, -0.2, ... per position
     (made up: not a policy's, so a trainer would weigh them by the off-policy correction); by
-    default none, as an engine sampling with the trainer's own weights."""
+    default none, as an engine sampling with the trainer's own weights (`own_weights` False:
+    nothing to publish)."""
+
+    own_weights, version = False, None
 
     def __init__(self, script, logps: bool = False):
         self.script, self.prompts, self.logps = script, [], logps
@@ -82,6 +85,12 @@ class ScriptedEngine:
         logps = logps if self.logps else None
         padded = prompt_ids.repeat_interleave(repeats, 0)
         return padded, prompt_mask.repeat_interleave(repeats, 0), ids, logps
+
+    def publish(self, version):
+        pass
+
+    def publish_later(self, version):
+        return lambda: None
 
     def close(self):
         pass

@@ -2,9 +2,9 @@
 is sampled with one weight version, the one recorded; batches in flight together never share an
 environment; tool results stay masked; checkpoints leave multi-turn batches in flight out.
 
-The rollout worker here is the scripted engine with a stub publisher (the worker's engine is the
-producer's own when it has a publisher, as a vLLM engine does), so the versions each generate
-call sees are the ones the worker loaded."""
+The rollout worker here is the scripted engine with its own (stub) weights, as a vLLM engine has
+(the worker then samples with the producer's engine), so the versions each generate call sees are
+the ones the worker loaded."""
 
 import re
 import sqlite3
@@ -15,12 +15,13 @@ from datasets import Dataset
 from test_agents import Counter, Recording, chat, rewards_by_length, tool_trainer
 
 from trl_grpo_ext.checkpoints import load_rollout_state
+from trl_grpo_ext.generation.weights import OwnWeights
 
 pytestmark = needs_trl_1_16
 
 
 class StubPublisher:
-    """A publisher (`engines.WeightPublisher`'s interface) that only records the version."""
+    """A publisher (`weights.WeightPublisher`'s interface) that only records the version."""
 
     def __init__(self):
         self.version, self.loaded = None, []
@@ -39,16 +40,16 @@ class StubPublisher:
         pass
 
 
-class VersionedEngine(ScriptedEngine):
-    """A scripted engine that records, for each `generate` call, the weight version loaded then
-    and the contexts it continued (`ScriptedEngine.prompts`)."""
+class VersionedEngine(OwnWeights, ScriptedEngine):
+    """A scripted engine with its own weights (`StubPublisher`) that records, for each `generate`
+    call, the weight version loaded then and the contexts it continued (`ScriptedEngine.prompts`)."""
 
-    def __init__(self, script, publisher):
+    def __init__(self, script):
         super().__init__(script, logps=True)
-        self.publisher, self.versions = publisher, []
+        self.publisher, self.versions = StubPublisher(), []
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
-        self.versions.append(self.publisher.version)
+        self.versions.append(self.version)
         return super().generate(prompt_ids, prompt_mask, generation_config, seed)
 
 
@@ -90,9 +91,7 @@ def async_counter_trainer(tmp_path, signal=True, environment=Counter, **override
         num_generations=2,
         **{"max_staleness": 1, "max_steps": 4, **overrides},
     )
-    publisher = StubPublisher()
-    trainer.rollouts.publisher = publisher
-    trainer.rollouts.engine = VersionedEngine(reach_the_target(trainer.processing_class), publisher)
+    trainer.rollouts.engine = VersionedEngine(reach_the_target(trainer.processing_class))
     return trainer, checked
 
 
@@ -117,7 +116,7 @@ def test_every_turn_of_a_rollout_uses_the_version_it_records(tmp_path):
     engine, tokenizer = trainer.rollouts.engine, trainer.processing_class
 
     assert trainer.state.global_step == 4 and len(rollouts) == 4
-    assert trainer.rollouts.publisher.loaded == [0, 1, 2, 3]
+    assert engine.publisher.loaded == [0, 1, 2, 3]
     for step, rollout in enumerate(rollouts):
         prompts = [
             ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)

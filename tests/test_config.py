@@ -10,6 +10,7 @@ from trl_reference import matches_trl
 
 from trl_grpo_ext import GroupRelativeConfig
 from trl_grpo_ext.config import NOT_IMPLEMENTED, TRL_DIFFERENCES
+from trl_grpo_ext.generation import SamplingSettings
 from trl_grpo_ext.objective import LossSettings
 
 SHARED_YAML = """
@@ -365,3 +366,34 @@ def test_loss_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):
         max_completion_length=16,
     )
     assert LossSettings.from_config(make(tmp_path, epsilon=0.1)).epsilon_high == 0.1
+
+
+def test_sampling_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):
+    config_fields = {field.name: field for field in dataclasses.fields(GroupRelativeConfig)}
+    for field in dataclasses.fields(SamplingSettings):
+        assert config_fields[field.name].default is field.default, field.name  # written once
+    assert SamplingSettings.from_config(make(tmp_path)) == SamplingSettings()
+    config = make(
+        tmp_path,
+        max_completion_length=16,
+        temperature=0.7,
+        top_k=20,
+        min_p=0.05,
+        generation_kwargs='{"stop": "</answer>"}',  # as a command line gives it
+    )
+    settings = SamplingSettings.from_config(config)
+    assert settings == SamplingSettings(
+        max_completion_length=16,
+        temperature=0.7,
+        top_k=20,
+        min_p=0.05,
+        generation_kwargs={"stop": "</answer>"},
+    )
+    generation = settings.generation_config(
+        eos_token_id=[2], pad_token_id=0, num_return_sequences=4
+    )
+    assert (generation.max_new_tokens, generation.num_return_sequences) == (16, 4)
+    assert (generation.temperature, generation.top_k, generation.min_p) == (0.7, 20, 0.05)
+    assert generation.stop_strings == ["</answer>"] and generation.do_sample
+    greedy = settings.generation_config(eos_token_id=[2], pad_token_id=0, greedy=True)
+    assert not greedy.do_sample and (greedy.top_k, greedy.min_p) == (0, None)

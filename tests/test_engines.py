@@ -12,16 +12,18 @@ from trainer_helpers import digit_sums, logged, make_trainer
 
 import trl_grpo_ext.generation.producer as producer_module
 import trl_grpo_ext.trainer as trainer_module
-from trl_grpo_ext.generation.engines import WeightPublisher, build_engine, in_eval_mode
+from trl_grpo_ext.generation.engines import build_engine, in_eval_mode
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
     generate_with_transformers,
     seeded,
 )
+from trl_grpo_ext.generation.weights import OwnWeights, WeightPublisher
 
 
-class CopyEngine:
-    """A second copy of the policy, updated only through `publish_adapter` / `load_weights`."""
+class CopyEngine(OwnWeights):
+    """A second copy of the policy, updated only through `publish_adapter` / `load_weights` (by a
+    `WeightPublisher`, as a vLLM engine)."""
 
     def __init__(self, policy):
         with policy() as model:
@@ -60,7 +62,8 @@ def copy_engine(monkeypatch):
 
     def build(args, policy, model, model_folder, lora_rank, tokenizer=None):
         engines.append(CopyEngine(policy))
-        return engines[-1], WeightPublisher(engines[-1], model, lora_rank is not None)
+        engines[-1].publisher = WeightPublisher(engines[-1], model, lora_rank is not None)
+        return engines[-1]
 
     monkeypatch.setattr(producer_module, "build_engine", build)
     return engines
@@ -101,7 +104,7 @@ def test_full_fine_tuning_publishes_all_weights(tmp_path, copy_engine):
     assert engine.published == ["full", "full"]
     state = trainer.model.state_dict()
     # The engine got the weights of step 1 (before the last update); one more publish catches up.
-    trainer.rollouts.publisher.publish(trainer.state.global_step)
+    trainer.rollouts.engine.publish(trainer.state.global_step)
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, state[name]), name
 
@@ -174,8 +177,8 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
         world_size=world_size,
         process_index=process_index,
     )
-    engine, publisher = build_engine(args, policy=None, model=None, model_folder=None, lora_rank=8)
-    assert publisher.engine is engine and publisher.is_adapter
+    engine = build_engine(args, policy=None, model=None, model_folder=None, lora_rank=8)
+    assert engine.own_weights and engine.publisher.engine is engine and engine.publisher.is_adapter
     engine.publish_adapter("folder", 3)
     assert engine.base_url == "http://server:8000"
     assert [payload["lora_name"] for payload in loaded] == [name]
@@ -220,10 +223,7 @@ def test_the_evaluation_harness_samples_with_the_engine_and_the_latest_adapter(
     assert engine.published == [0, 1, 2] and engine.generated_with[-1] == 2
     # The engine's copy holds the trained adapter: greedy answers equal the trainer's own.
     engine.generate = lambda *args, **kwargs: pytest.fail("the engine was not expected")
-    trainer.rollouts.engine, trainer.rollouts.publisher = (
-        TransformersEngine(lambda: in_eval_mode(trainer.model)),
-        None,
-    )
+    trainer.rollouts.engine = TransformersEngine(lambda: in_eval_mode(trainer.model))
     expected = evaluate_on_processes(trainer, dataset, max_new_tokens=3, num_examples=0)
     assert report.to_dict() == expected.to_dict()
 
@@ -313,7 +313,39 @@ def test_every_engine_implements_the_engine_protocol():
     from trl_grpo_ext.generation.vllm_server import VLLMServerEngine
 
     for engine in (TransformersEngine, ProcessEngine, VLLMColocateEngine, VLLMServerEngine):
-        for method in ("generate", "close"):
+        for method in ("generate", "publish", "publish_later", "close"):
             ours = inspect.signature(getattr(engine, method)).parameters
             declared = inspect.signature(getattr(Engine, method)).parameters
             assert list(ours) == list(declared), (engine.__name__, method)
+        for attribute in ("own_weights", "version"):
+            assert hasattr(engine, attribute), (engine.__name__, attribute)
+        # Only the transformers engine samples with the trainer's weights: nothing to publish.
+        assert engine.own_weights == (engine is not TransformersEngine)
+
+
+def test_the_publishing_half_of_an_engine_reads_the_weights_when_asked(tmp_path):
+    """`publish_later` reads the trainer's weights at once (the asynchronous worker loads them
+    later, while the trainer has moved on): the engine gets the weights of the version asked
+    for, not those of the moment it loads them."""
+    from trl_grpo_ext.generation.process_worker import ParameterPublisher
+
+    class Recording(OwnWeights):
+        def __init__(self, model):
+            self.loaded, self.publisher = [], ParameterPublisher(self, lambda: model)
+
+        def load_weights(self, named):
+            self.loaded.append({name: tensor.clone() for name, tensor in named.items()})
+
+    model = torch.nn.Linear(2, 2)
+    engine = Recording(model)
+    load = engine.publish_later(1)
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # a training step between the read and the load
+    assert engine.version is None
+    load()
+    assert engine.version == 1 and torch.equal(engine.loaded[0]["weight"], before)
+    engine.publish(2)
+    assert engine.version == 2 and torch.equal(engine.loaded[1]["weight"], model.weight)
+    engine.publish(2)  # the version it has: nothing sent
+    assert len(engine.loaded) == 2

@@ -18,6 +18,7 @@ from trl_grpo_ext.generation import sampling_config
 from trl_grpo_ext.generation.async_rollout import RolloutPipeline
 from trl_grpo_ext.generation.engines import EngineWorker
 from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerError
+from trl_grpo_ext.generation.weights import OwnWeights
 
 LOGITS = [2.0, 1.0, 0.5, -1.0, -3.0]  # the next-token logits the stand-in reports (top 5)
 
@@ -309,9 +310,9 @@ class Publisher:
         self.version = version
 
 
-class Engine:
-    def __init__(self):
-        self.generated = []
+class Engine(OwnWeights):
+    def __init__(self, refuse):
+        self.generated, self.publisher = [], Publisher(self, refuse)
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
         self.generated.append(seed)
@@ -322,8 +323,8 @@ class Engine:
 def test_a_failed_adapter_load_stops_the_asynchronous_worker_with_its_cause(refused):
     """The first load failing left version None (a TypeError later); a later one let the worker
     go on with the older adapter. Either way the load's own error must reach the trainer."""
-    engine = Engine()
-    worker = EngineWorker(engine, Publisher(engine, refuse={refused}), generation_config=None)
+    engine = Engine(refuse={refused})
+    worker = EngineWorker(engine, generation_config=None)
     pipeline = RolloutPipeline(worker, max_staleness=2)
     prompts = (torch.ones(1, 1), torch.ones(1, 1))
     try:

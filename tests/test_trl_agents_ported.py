@@ -180,12 +180,12 @@ def test_generate_prefers_rollout_func(tmp_path):
 
 def test_generate_rollout_func_syncs_weights_when_needed(tmp_path):
     """TRL: TestGRPORolloutDispatch.test_generate_rollout_func_syncs_vllm_weights_when_needed.
-    TRL checks `vllm_generation.sync_weights` and `_last_loaded_step`; ours publishes through the
-    producer's `WeightPublisher` (present for engines with their own weights, such as vLLM),
-    with the version of the current step, before the rollout function samples."""
+    TRL checks `vllm_generation.sync_weights` and `_last_loaded_step`; ours asks the engine to
+    publish the weights of the current step (`Engine.publish`: a vLLM engine loads the adapter,
+    the transformers engine has nothing to do) before the rollout function samples."""
     trainer = rollout_func_trainer(tmp_path, None)
     order = MagicMock()
-    trainer.rollouts.publisher = order.publisher
+    trainer.rollouts.engine = order.engine
     order.rollout_func.return_value = {
         "prompt_ids": [[1]] * 2,
         "completion_ids": [[2]] * 2,
@@ -196,9 +196,9 @@ def test_generate_rollout_func_syncs_weights_when_needed(tmp_path):
 
     trainer.generate_rollouts([{"prompt": "prompt"}])
 
-    order.publisher.publish.assert_called_once_with(trainer.state.global_step)
+    order.engine.publish.assert_called_once_with(trainer.state.global_step)
     trainer.rollout_func.assert_called_once_with(["prompt", "prompt"], trainer)
-    assert [c[0] for c in order.mock_calls] == ["publisher.publish", "rollout_func"]
+    assert [c[0] for c in order.mock_calls] == ["engine.publish", "rollout_func"]
 
 
 def test_generate_rollout_func_raises_when_required_keys_are_missing(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from .generation.sampling import SamplingSettings
 from .objective import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -189,8 +190,9 @@ class GroupRelativeConfig(TrainingArguments):
             "own messages are longer is an error."
         },
     )
+    # The sampling defaults are written once, in `generation.SamplingSettings`.
     max_completion_length: int = field(
-        default=256,
+        default=SamplingSettings.max_completion_length,
         metadata={
             "help": "Maximum number of generated tokens per completion (TRL's default is 512; "
             "see docs/coming-from-trl.md)."
@@ -201,14 +203,23 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={"help": "Completions per prompt in evaluate(); defaults to num_generations."},
     )
     temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at it too."}
+        default=SamplingSettings.temperature,
+        metadata={"help": "Sampling temperature; log-probs are computed at it too."},
     )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty."})
+    top_p: float = field(
+        default=SamplingSettings.top_p, metadata={"help": "Nucleus sampling threshold."}
+    )
+    top_k: int = field(
+        default=SamplingSettings.top_k, metadata={"help": "Top-k sampling; 0 disables it."}
+    )
+    min_p: float | None = field(
+        default=SamplingSettings.min_p, metadata={"help": "Minimum token probability."}
+    )
+    repetition_penalty: float = field(
+        default=SamplingSettings.repetition_penalty, metadata={"help": "Repetition penalty."}
+    )
     generation_kwargs: dict[str, Any] | str | None = field(
-        default=None,
+        default=SamplingSettings.generation_kwargs,
         metadata={
             "help": "Extra keyword arguments of `GenerationConfig`; they override the sampling "
             "fields above (e.g. {'top_k': 20})."
@@ -222,7 +233,7 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     cache_implementation: str | None = field(
-        default=None,
+        default=SamplingSettings.cache_implementation,
         metadata={"help": "Cache implementation of `generate` (e.g. 'static'); None: its default."},
     )
     steps_per_generation: int | None = field(

@@ -50,7 +50,7 @@ def test_asynchronous_rollouts_three_steps_ahead_load_every_version(
     generations = record_calls(trainer.rollouts.engine.llm, "generate")
     # The engine loads version 1 only once the trainer has saved version 3, as when generation
     # is slower than training: versions 2 and 3 are on disk, not loaded yet.
-    publisher = trainer.rollouts.publisher
+    publisher = trainer.rollouts.engine.publisher
     saved_v3 = threading.Event()
     snapshot, load = publisher.snapshot, publisher.load
 

@@ -1,8 +1,10 @@
 """Everything between dataset rows and sampled token ids: prompt rendering and tokenisation,
 and the sampling settings of `generate`, each built in one place, and the engines that sample.
 
-- `prompts.py`, `sampling.py`: prompts to token ids; the one `GenerationConfig` of a run;
-- `engines.py`: the engine interface, `build_engine`, `WeightPublisher`, `EngineWorker`;
+- `prompts.py`, `sampling.py`: prompts to token ids; the `SamplingSettings` of a run and its
+  `GenerationConfig`;
+- `engines.py`: the engine interface, `build_engine`, `EngineWorker`; `weights.py`: how an
+  engine with its own copy of the weights keeps it on the trainer's;
 - `transformers_engine.py`, `process_worker.py`, `vllm_colocate.py`, `vllm_server.py`: the
   engines (transformers here or in a process of its own, vLLM colocated or on a server);
 - `async_rollout.py`: the asynchronous pipeline and its in-flight batches;
@@ -11,14 +13,14 @@ and the sampling settings of `generate`, each built in one place, and the engine
 Nothing here imports the training side (`tests/test_layout.py` checks it)."""
 
 from .prompts import PromptEncoder, check_chat_template, check_prompt_dataset, is_conversational
-from .sampling import isolated_from_checkpoint, sampling_config, sampling_config_from_args
+from .sampling import SamplingSettings, isolated_from_checkpoint, sampling_config
 
 __all__ = [
     "PromptEncoder",
+    "SamplingSettings",
     "check_chat_template",
     "check_prompt_dataset",
     "is_conversational",
     "isolated_from_checkpoint",
     "sampling_config",
-    "sampling_config_from_args",
 ]

@@ -21,11 +21,11 @@ completion ends (eos, stop strings) is decided afterwards, by one rule for every
 - `ProcessEngine` (`process_worker.py`): transformers in a process of its own with its own copy
   of the model, the asynchronous worker without vLLM; it returns the sampled tokens' log-probs.
 
-`WeightPublisher` brings a vLLM engine's copy up to date: under LoRA it saves the adapter (a
-folder per version) and has the engine load it as a new adapter, with no merge into the base
-weights; in full fine-tuning it hands the engine all weights (colocated only). The process
-engine's is `process_worker.ParameterPublisher`. `EngineWorker` runs an engine as the rollout
-worker of the asynchronous pipeline (`async_rollout.RolloutPipeline`).
+Each engine also keeps its weights on the trainer's (`publish`): the transformers engine has
+nothing to do; the others have their own copy (`weights.OwnWeights`), which `WeightPublisher`
+(vLLM: the adapter of each version, or all weights) or `process_worker.ParameterPublisher` keeps
+current. `EngineWorker` runs an engine as the rollout worker of the asynchronous pipeline
+(`async_rollout.RolloutPipeline`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import inspect
 import os
 import shutil
 import tempfile
-import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,15 +45,24 @@ from typing import Protocol
 import torch
 
 from .transformers_engine import TransformersEngine
+from .weights import WeightPublisher
 
 
 class Engine(Protocol):
     """What every sampler implements: `TransformersEngine` (in this process, with the trainer's
     weights), `ProcessEngine` (transformers in a process of its own), `VLLMColocateEngine` and
-    `VLLMServerEngine`. `build_engine` and `build_rollout_engine` build them, each with the
-    publisher that keeps its own copy of the weights current (`WeightPublisher`,
-    `ParameterPublisher`: `publish(version)`, or `snapshot` on the trainer's thread and `load`
-    on the worker's), or none for the transformers engine, which samples with the trainer's."""
+    `VLLMServerEngine`; `build_engine` and `build_rollout_engine` build them.
+
+    Attributes:
+        own_weights (`bool`): the engine samples from its own copy of the weights, which
+            `publish` keeps on the trainer's, and takes a seed of its own; False for the
+            transformers engine, which samples with the trainer's model in this process.
+        version (`int`, *optional*): the trainer's version (global step) of the weights the
+            engine has; None before the first publication, and always for the transformers engine.
+    """
+
+    own_weights: bool
+    version: int | None
 
     def generate(
         self, prompt_ids, prompt_mask, generation_config, seed: int | None = None
@@ -64,133 +73,20 @@ class Engine(Protocol):
         `rollout.CompletionEnds`."""
         ...
 
-    def close(self) -> None: ...
-
-
-class WeightPublisher:
-    """Publishes the trainer's weights to an engine that holds its own copy.
-
-    `publish(version)` does both halves at once; the asynchronous worker calls `snapshot` on the
-    trainer's thread (so the weights cannot change under it) and `load` on its own.
-
-    Versions are the trainer's global step, so one version always names the same weights. Under
-    LoRA each version is an adapter folder; a folder is deleted once the engine has loaded a
-    later version, never before: in asynchronous mode the trainer saves versions ahead of the
-    engine. The first publication of a colocated engine under LoRA also hands it the base
-    weights the trainer holds in memory (`base_weights`), which may differ from the checkpoint on
-    disk the engine started from (a `revision`, resized embeddings, an earlier SFT step).
-
-    Args:
-        engine: a vLLM engine (`publish_adapter(folder, version)`, `load_weights(named)`).
-        model (`Callable[[], nn.Module]`): returns the unwrapped model (a `PeftModel` under LoRA).
-        is_adapter (`bool`): LoRA: publish the adapter only.
-        folder (`str`, *optional*): where adapter versions are saved (a temporary folder when
-            None, made at the first save and removed by `close`).
-    """
-
-    def __init__(self, engine, model, is_adapter: bool, folder: str | None = None):
-        self.engine, self.model, self.is_adapter = engine, model, is_adapter
-        self._temporary = folder is None
-        self.folder = folder
-        self.version: int | None = None  # the version the engine has
-        self._lock = threading.Lock()  # `_folders` is shared by the trainer and the worker
-        self._folders: dict[int, str] = {}  # version -> adapter folder still on disk
-        # Only a colocated engine can take full weights; a server keeps its checkpoint's.
-        self._base_pending = is_adapter and getattr(engine, "takes_base_weights", False)
-
     def publish(self, version: int) -> None:
-        """Brings the engine to `version` now, on this thread. Full weights go to the engine
-        straight from the model, without a copy."""
-        if version == self.version:
-            return
-        if self.is_adapter:
-            self.load(self.snapshot(version), version)
-            return
-        with gathered(self.model()) as model:
-            self.engine.load_weights(named_weights(model))
-        self.version = version
+        """Brings the engine's weights (an adapter under LoRA) to the trainer's of `version`,
+        now, on this thread."""
+        ...
 
-    def snapshot(self, version: int):
-        """The weights of `version`, frozen: an adapter folder, or a copy of every tensor on the
-        CPU (the trainer updates its own in place while the engine waits to load them)."""
-        if not self.is_adapter:
-            with gathered(self.model()) as model:
-                return [(name, t.detach().to("cpu", copy=True)) for name, t in named_weights(model)]
-        if self._base_pending:
-            # Here, on the trainer's thread: a ZeRO-3 gather is a collective every process
-            # makes in the same order, and the first snapshot comes before any generation.
-            with gathered(self.model()) as model:
-                self.engine.load_weights(base_weights(model))
-            self._base_pending = False
-        with self._lock:
-            if version in self._folders:  # saved already (an evaluation, then the pipeline)
-                return self._folders[version]
-        if self.folder is None:
-            self.folder = tempfile.mkdtemp(prefix="trl_grpo_ext-adapters-")
-        path = os.path.join(self.folder, f"v{version}")
-        with gathered(self.model(), adapter_only=True) as model:
-            # A PeftModel saves the adapter only. Not resized embeddings, which PEFT would add
-            # and vLLM refuses in an adapter: they reach the engine with the base weights.
-            model.save_pretrained(path, save_embedding_layers=False)
-        with self._lock:
-            self._folders[version] = path
-        return path
-
-    def load(self, weights, version: int) -> None:
-        if not self.is_adapter:
-            self.engine.load_weights(weights)
-            self.version = version
-            return
-        self.engine.publish_adapter(weights, version)
-        self.version = version
-        with self._lock:  # versions before this one are never loaded again
-            done = [v for v in self._folders if v < version]
-            paths = [self._folders.pop(v) for v in done]
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
+    def publish_later(self, version: int) -> Callable[[], None]:
+        """Reads the trainer's weights of `version` now, on this thread (where training cannot
+        change them meanwhile), and returns the step that loads them into the engine, to run on
+        the thread that samples (the asynchronous worker's)."""
+        ...
 
     def close(self) -> None:
-        if self._temporary and self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def named_weights(model):
-    """`(name, tensor)` of every weight of a model, under the checkpoint's names. Under FSDP2 a
-    parameter is a shard (`DTensor`): its full tensor is gathered one at a time."""
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name, tensor
-
-
-def base_weights(peft_model):
-    """The base model's weights of a `PeftModel`, under the checkpoint's names (no adapter
-    tensors, `base_layer` names restored), as TRL hands them to vLLM."""
-    prefix = f"{peft_model.prefix}" if hasattr(peft_model, "prefix") else "lora_"
-    for name, tensor in named_weights(peft_model):
-        if prefix in name or "original_module" in name:
-            continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        yield name.replace("modules_to_save.default.", ""), tensor
-
-
-@contextlib.contextmanager
-def gathered(model, adapter_only: bool = False):
-    """`model` with its parameters whole for the block. Under DeepSpeed ZeRO-3 each process holds
-    a shard of every parameter; they are gathered (the adapter only, with `adapter_only`) as TRL
-    does before handing weights to vLLM. Elsewhere, the model as it is."""
-    parameters = [
-        p
-        for p in model.parameters()
-        if hasattr(p, "ds_id") and (p.requires_grad or not adapter_only)
-    ]
-    if not parameters:
-        yield model
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(parameters):
-        yield model
+        """Frees the engine, and the adapter versions it was published."""
+        ...
 
 
 class EngineWorker:
@@ -209,14 +105,13 @@ class EngineWorker:
     turns are sampled with the version read when it starts, the one reported.
 
     Args:
-        engine: samples (`generate(prompt_ids, prompt_mask, config, seed)`).
-        publisher: loads weights into the engine (`snapshot`, `load`, `version`).
+        engine (`Engine`): an engine with its own weights (`own_weights`).
         generation_config: the sampling settings of the training batches.
         tool_loop (`multi_turn.ToolLoop`, *optional*): runs the batches submitted with tools.
     """
 
-    def __init__(self, engine, publisher: WeightPublisher, generation_config, tool_loop=None):
-        self.engine, self.publisher, self.generation_config = engine, publisher, generation_config
+    def __init__(self, engine: Engine, generation_config, tool_loop=None):
+        self.engine, self.generation_config = engine, generation_config
         self.tool_loop = tool_loop
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._futures: dict[int, Future] = {}
@@ -224,14 +119,14 @@ class EngineWorker:
 
     def update_weights(self, version: int) -> None:
         self._raise_failure()
-        snapshot = self.publisher.snapshot(version)  # now, on the trainer's thread
-        self._thread.submit(self._load, snapshot, version)
+        load = self.engine.publish_later(version)  # reads the weights now, on the trainer's thread
+        self._thread.submit(self._load, load)
 
-    def _load(self, snapshot, version: int) -> None:
+    def _load(self, load: Callable[[], None]) -> None:
         if self._failure is not None:
             return
         try:
-            self.publisher.load(snapshot, version)
+            load()
         except BaseException as error:  # noqa: BLE001 - raised on the trainer's thread
             self._failure = error
 
@@ -245,7 +140,7 @@ class EngineWorker:
         from .async_rollout import GeneratedBatch
 
         self._raise_failure()
-        version = self.publisher.version  # no update runs on this thread until the batch is done
+        version = self.engine.version  # no update runs on this thread until the batch is done
         if tools is None:
             tensors = self.engine.generate(*prompts, self.generation_config, seed)
             return GeneratedBatch(index, version, *tensors)
@@ -430,10 +325,9 @@ def build_engine(
     model_folder: EngineModel | str | None,
     lora_rank: int | None,
     tokenizer=None,
-) -> tuple[Engine, WeightPublisher | None]:
-    """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings), and the
-    publisher that keeps its weights current (None for one that samples with the trainer's own
-    weights). The one place engines are built (with `build_rollout_engine`).
+) -> Engine:
+    """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings), with what
+    keeps its weights current. The one place engines are built (with `build_rollout_engine`).
 
     Args:
         policy (`Callable[[], ContextManager]`): the trainer's model for generation, as
@@ -447,21 +341,21 @@ def build_engine(
         tokenizer (*optional*): lets the transformers engine stop at stop strings.
     """
     if not args.use_vllm:
-        engine = TransformersEngine(
+        return TransformersEngine(
             policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, tokenizer=tokenizer
         )
-        return engine, None
     engine = _vllm_engine(args, model_folder, lora_rank)
-    return engine, WeightPublisher(engine, model, lora_rank is not None)
+    engine.publisher = WeightPublisher(engine, model, lora_rank is not None)
+    return engine
 
 
-def build_rollout_engine(args, engine: Engine, publisher, model):
-    """The engine of the asynchronous rollout worker (`max_staleness`) and its publisher: the
-    engine itself when it holds its own weights (vLLM), else transformers in a process of its
-    own (`ProcessEngine`) with a copy of the model, sent the trained parameters of each version.
-    Returns `(engine, publisher, owned)`; `owned`: a new engine, closed with the worker."""
-    if publisher is not None:
-        return engine, publisher, False
+def build_rollout_engine(args, engine: Engine, model) -> tuple[Engine, bool]:
+    """The engine of the asynchronous rollout worker (`max_staleness`): the engine itself when it
+    has its own weights (vLLM), else transformers in a process of its own (`ProcessEngine`)
+    with a copy of the model, sent the trained parameters of each version. Returns
+    `(engine, owned)`; `owned`: a new engine, closed with the worker."""
+    if engine.own_weights:
+        return engine, False
     from .process_worker import ParameterPublisher, ProcessEngine
 
     unwrapped = model()
@@ -474,7 +368,8 @@ def build_rollout_engine(args, engine: Engine, publisher, model):
             stacklevel=4,
         )
     process = ProcessEngine(unwrapped, threads=args.rollout_worker_threads)
-    return process, ParameterPublisher(process, model), True
+    process.publisher = ParameterPublisher(process, model)
+    return process, True
 
 
 def _vllm_engine(args, model_folder, lora_rank):

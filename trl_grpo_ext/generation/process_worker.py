@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .transformers_engine import generate_with_transformers, seeded
+from .weights import OwnWeights
 
 
 def sample_batch(model, prompts, generation_config, seed):
@@ -54,9 +55,10 @@ def _worker_main(model, threads, requests, results):
             results.put(traceback.format_exc())
 
 
-class ProcessEngine:
+class ProcessEngine(OwnWeights):
     """`transformers` generation in a separate process, with its own copy of the model (on the
-    CPU). Requests are handled in the order they are sent.
+    CPU). Requests are handled in the order they are sent. Its `publisher` is a
+    `ParameterPublisher`.
 
     Args:
         model (`nn.Module`): copied (to the CPU) when the engine starts; a `PeftModel` under LoRA.
@@ -119,6 +121,7 @@ class ProcessEngine:
 
     def close(self) -> None:
         """Stops the process, and gives the trainer back the CPU threads it had."""
+        self.close_publisher()
         if self._threads_before:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -131,7 +134,7 @@ class ProcessEngine:
 
 class ParameterPublisher:
     """Publishes the trained parameters (those with `requires_grad`: the adapter's under LoRA) to
-    a `ProcessEngine`, with the interface of `engines.WeightPublisher`: `snapshot` copies them to
+    a `ProcessEngine`, with the interface of `weights.WeightPublisher`: `snapshot` copies them to
     the CPU on the trainer's thread, `load` sends that copy to the engine.
 
     Args:

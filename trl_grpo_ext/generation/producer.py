@@ -5,8 +5,8 @@ It holds everything between the prompts of a generation batch and the sampled to
 - the `PromptEncoder` (chat template, tokenisation, `max_prompt_length`);
 - the sampling settings, built once from the config (`generation_config` for training,
   `eval_generation_config` with `num_generations_eval` completions per prompt);
-- the engine (`engines.build_engine`: transformers, vLLM colocated or a vLLM server) and, for an
-  engine with its own copy of the weights, the `WeightPublisher` that keeps it current;
+- the engine (`engines.build_engine`: transformers, vLLM colocated or a vLLM server), which
+  `publish` keeps on the trainer's weights;
 - in asynchronous mode (`max_staleness=k`), the `RolloutPipeline` with its rollout worker and the
   prompts of the next k steps, each batch encoded once, as it enters the lookahead. The worker is
   an `EngineWorker` over the engine when it holds its own weights (vLLM), else over a
@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from .engines import EngineWorker, build_engine, build_rollout_engine
 from .multi_turn import ToolCallFormat, ToolLoop, Turns
 from .prompts import PromptEncoder, is_conversational
 from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
-from .sampling import sampling_config_from_args
+from .sampling import SamplingSettings
 from .transformers_engine import generation_seed
 
 
@@ -86,18 +85,15 @@ class RolloutProducer:
             tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template
         )
         ids = dict(eos_token_id=eos_token_ids, pad_token_id=tokenizer.pad_token_id)
-        self.generation_config = sampling_config_from_args(
-            args, num_return_sequences=args.num_generations, **ids
+        settings = SamplingSettings.from_config(args)
+        self.generation_config = settings.generation_config(
+            num_return_sequences=args.num_generations, **ids
         )
-        self.eval_generation_config = sampling_config_from_args(
-            args, num_return_sequences=args.num_generations_eval or args.num_generations, **ids
+        self.eval_generation_config = settings.generation_config(
+            num_return_sequences=args.num_generations_eval or args.num_generations, **ids
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
-        self.engine, self.publisher = build_engine(
-            args, policy, model, engine_folder, lora_rank, tokenizer
-        )
-        if self.publisher is not None:
-            weakref.finalize(self, self.publisher.close)
+        self.engine = build_engine(args, policy, model, engine_folder, lora_rank, tokenizer)
         if format is not None:
             self.tool_loop = ToolLoop(
                 format,
@@ -131,8 +127,7 @@ class RolloutProducer:
 
     def publish(self, version: int) -> None:
         """Brings an engine with its own weights up to the trainer's (version = global step)."""
-        if self.publisher is not None:
-            self.publisher.publish(version)
+        self.engine.publish(version)
 
     @contextlib.contextmanager
     def scheduled(self, index: int, round_index: int = 0):
@@ -162,7 +157,7 @@ class RolloutProducer:
             rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
             return rollout
         seed = None
-        if self.publisher is not None:
+        if self.engine.own_weights:
             seed = int(torch.randint(0, 2**31 - 1, ()))
         engine = self.evaluation_engine(version)
         if self.tool_loop is not None:
@@ -491,20 +486,16 @@ class RolloutProducer:
         memory and the temporary copy of the base model it was built on, and the published
         adapter versions are deleted. Nothing can be generated afterwards."""
         self.close()
-        if self.publisher is not None:
-            self.publisher.close()
         self.engine.close()
 
     def _pipeline(self) -> RolloutPipeline:
         if self.pipeline is not None:
             return self.pipeline
-        engine, publisher, owned = build_rollout_engine(
-            self.args, self.engine, self.publisher, self.model
-        )
+        engine, owned = build_rollout_engine(self.args, self.engine, self.model)
         if owned:
             self._rollout_engine = engine
         tool_loop = None if self.tool_loop is None else self.tool_loop.with_own_tokenizer()
-        worker = EngineWorker(engine, publisher, self.generation_config, tool_loop)
+        worker = EngineWorker(engine, self.generation_config, tool_loop)
         if engine is self.engine:
             self._engine_worker = worker  # it owns the engine: evaluations sample on its thread
         # Its in-flight batches go into checkpoints (`in_flight`).

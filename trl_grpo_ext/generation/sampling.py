@@ -11,9 +11,65 @@ so what the configuration says is what `generate` uses, whatever the checkpoint 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling settings of a run, fixed for it: the trainer builds them once from its config
+    (`SamplingSettings.from_config`); the evaluation harness builds its own. These defaults are
+    the defaults of the matching `GroupRelativeConfig` fields, which read them from here.
+
+    `top_k=0` and `min_p=None` disable those filters (no logits processor is built for them), as
+    in TRL; `generation_kwargs` (any `GenerationConfig` field, and vLLM's `stop`) override the
+    others.
+    """
+
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    cache_implementation: str | None = None
+    generation_kwargs: dict | None = None
+
+    @classmethod
+    def from_config(cls, args) -> SamplingSettings:
+        """The settings of a `GroupRelativeConfig` (or any object with its field names)."""
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
+
+    def generation_config(
+        self,
+        *,
+        eos_token_id: list[int],
+        pad_token_id: int | None,
+        num_return_sequences: int = 1,
+        greedy: bool = False,
+    ) -> GenerationConfig:
+        """A complete `GenerationConfig` of these settings: every field given, so that nothing
+        comes from the checkpoint's `generation_config.json` (`isolated_from_checkpoint`).
+        `greedy=True` decodes greedily (evaluation); the sampling fields are then unused."""
+        settings = dict(
+            do_sample=not greedy,
+            max_new_tokens=self.max_completion_length,
+            num_return_sequences=num_return_sequences,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            pad_token_id=pad_token_id,
+            eos_token_id=list(eos_token_id),
+            cache_implementation=self.cache_implementation,
+        )
+        if greedy:
+            settings.update(temperature=1.0, top_p=1.0, top_k=0, min_p=None)
+        settings.update(_with_stop_strings(self.generation_kwargs or {}))  # the user's win
+        return GenerationConfig(**settings)
 
 
 def sampling_config(
@@ -23,36 +79,16 @@ def sampling_config(
     pad_token_id: int | None,
     num_return_sequences: int = 1,
     greedy: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    cache_implementation: str | None = None,
-    generation_kwargs: dict | None = None,
+    **settings,
 ) -> GenerationConfig:
-    """A complete `GenerationConfig`: TRL's sampling fields, then `generation_kwargs` over them.
-
-    `top_k=0` and `min_p=None` disable those filters (no logits processor is built for them), as
-    in TRL. `greedy=True` decodes greedily (evaluation); the sampling fields are then unused.
-    """
-    settings = dict(
-        do_sample=not greedy,
-        max_new_tokens=max_new_tokens,
-        num_return_sequences=num_return_sequences,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
+    """`SamplingSettings(max_completion_length=max_new_tokens, **settings).generation_config(...)`:
+    a complete `GenerationConfig`, TRL's sampling fields, then `generation_kwargs` over them."""
+    return SamplingSettings(max_completion_length=max_new_tokens, **settings).generation_config(
+        eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        eos_token_id=list(eos_token_id),
-        cache_implementation=cache_implementation,
+        num_return_sequences=num_return_sequences,
+        greedy=greedy,
     )
-    if greedy:
-        settings.update(temperature=1.0, top_p=1.0, top_k=0, min_p=None)
-    settings.update(_with_stop_strings(generation_kwargs or {}))  # the user's overrides win
-    return GenerationConfig(**settings)
 
 
 def _with_stop_strings(generation_kwargs: dict) -> dict:
@@ -126,29 +162,6 @@ def end_at_stop_strings(
         mask[row, low:] = 0
         stopped[row] = True
     return mask, stopped
-
-
-def sampling_config_from_args(
-    args,
-    *,
-    eos_token_id: list[int],
-    pad_token_id: int | None,
-    num_return_sequences: int,
-) -> GenerationConfig:
-    """The sampling settings of training (and of `evaluate()`) from a `GroupRelativeConfig`."""
-    return sampling_config(
-        max_new_tokens=args.max_completion_length,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        num_return_sequences=num_return_sequences,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        cache_implementation=args.cache_implementation,
-        generation_kwargs=args.generation_kwargs,
-    )
 
 
 @contextlib.contextmanager

@@ -200,6 +200,9 @@ class TransformersEngine:
         tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
     """
 
+    own_weights = False  # it samples with the trainer's model: nothing to publish
+    version = None
+
     def __init__(self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
         self.tokenizer = tokenizer
@@ -218,5 +221,11 @@ class TransformersEngine:
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 
-    def close(self):
+    def publish(self, version: int) -> None:
+        pass
+
+    def publish_later(self, version: int):
+        return lambda: None
+
+    def close(self) -> None:
         pass

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .vllm_sampling import prompt_seeds, sampling_params, to_tensors, unpadded_prompts
+from .weights import OwnWeights
 
 # vLLM's `LoRAConfig.max_lora_rank` takes only these values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -137,7 +138,7 @@ def checkpoint_dtype(model) -> str:
     return str(dtype).removeprefix("torch.") if dtype else "float32"
 
 
-class VLLMColocateEngine:
+class VLLMColocateEngine(OwnWeights):
     """Generation with a `vllm.LLM` living in this process.
 
     Args:
@@ -343,6 +344,7 @@ class VLLMColocateEngine:
         either tears down vLLM's process-wide parallel state and `torch.distributed`'s default
         group, which the trainer (and any other engine of the process) still uses. Its memory
         returns when the process ends."""
+        self.close_publisher()
         self.llm = None
         if hasattr(self, "_remove_folder"):
             self._remove_folder()

@@ -50,6 +50,7 @@ from .vllm_sampling import (
     to_tensors,
     unpadded_prompts,
 )
+from .weights import OwnWeights
 
 RETRIES_ON_SERVER_ERROR = 2  # HTTP 500: the server is up but failed; a bug rarely goes away
 UNAVAILABLE = (502, 503, 504)  # a proxy with no server behind it, or a server starting up
@@ -66,7 +67,7 @@ class VLLMServerError(ConnectionError):
         self.status = status
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(OwnWeights):
     """Generation on a running vLLM server (`python -m vllm.entrypoints.openai.api_server`).
 
     Args:
@@ -377,10 +378,16 @@ class VLLMServerEngine:
         """Unloads the latest adapter version from the server, which keeps running for other
         runs (its adapter folder is about to be deleted). One attempt, bounded by
         `CLOSE_TIMEOUT`: a server that is down or was restarted has nothing to unload, and
-        closing after a failed run must not wait `timeout` seconds for it."""
+        closing after a failed run must not wait `timeout` seconds for it. Then the adapter
+        versions published are deleted."""
         name, self.adapter_name, self.adapter_version = self.adapter_name, None, None
-        if name is None:
-            return
+        try:
+            if name is not None:
+                self._unload(name)
+        finally:
+            self.close_publisher()
+
+    def _unload(self, name: str) -> None:
         request = urllib.request.Request(
             f"{self.base_url}/v1/unload_lora_adapter",
             data=json.dumps({"lora_name": name}).encode(),
