@@ -7,7 +7,8 @@ In order, before the program's first line:
    processes only);
 3. loads the seccomp filter (`seccomp.compiled_filter`), after `PR_SET_NO_NEW_PRIVS`; if the
    kernel refuses it, the call ends with an error rather than running unfiltered;
-4. forks: the child runs `/work/main.py` as `__main__` (a traceback shows the program's frames
+4. forks: the child, killed if the launcher dies (a parent-death signal: the launcher dies with
+   the trainer), runs `/work/main.py` as `__main__` (a traceback shows the program's frames
    only); the parent waits for it and writes its exit code, or minus the signal that killed it, to
    the status descriptor. A shell or `bwrap` between the trainer and the program reports a death by
    signal N as the exit status 128 + N, the same as `sys.exit(128 + N)`; the status tells them
@@ -46,7 +47,8 @@ if bpf:
             f"({os.strerror(ctypes.get_errno())}); no program ran.\\n"
         )
         os._exit(%(setup_failed)d)
-del ctypes, libc, resource, bpf
+del resource, bpf
+launcher = os.getpid()
 child = os.fork()
 if child:
     while True:
@@ -60,6 +62,10 @@ if child:
     os.write(status, str(code).encode())
     os._exit(0)
 os.close(status)
+libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the launcher dies
+if os.getppid() != launcher:
+    os._exit(0)
+del ctypes, libc, launcher, child
 sys.argv = ["main.py"]
 with open("main.py", "rb") as file:
     source = file.read()

@@ -285,6 +285,11 @@ class PythonSandbox:
             note = f"Exit status {status}."
         else:
             note = ""
+        if note == "" and call.leaf is not None and call.leaf.oom_killed():
+            note = (
+                "Error: a process of the program was killed at the memory limit of "
+                f"{self.memory_mb} MiB for the whole call."
+            )
         if output.dropped:
             text += (
                 f"\n[output truncated: {output.total} bytes, the first {self.max_output_bytes} "
@@ -451,14 +456,20 @@ def _seccomp_filter() -> bytes:
 
 
 def _remove_stale_once() -> None:
-    """At this process's first call: removes the scratch folders and cgroups that trainers killed
-    mid-call left behind (those of live trainers are theirs)."""
+    """At this process's first call: `remove_stale()`."""
     global _stale_removed
     with _default_lock:
         if _stale_removed:
             return
         _stale_removed = True
-    folder = tempfile.gettempdir()
+    remove_stale()
+
+
+def remove_stale(folder: str | None = None) -> None:
+    """Removes the scratch folders (in `folder`, by default the temp folder) and cgroups that
+    trainers killed mid-call left behind, killing what still runs in those cgroups; those of
+    live trainers are theirs, and left alone. Every process runs it before its first call."""
+    folder = folder or tempfile.gettempdir()
     for name in os.listdir(folder):
         if name.startswith(cgroups.PREFIX) and cgroups.is_dead(name):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
