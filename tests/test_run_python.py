@@ -21,8 +21,8 @@ import warnings
 import pytest
 
 from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, cgroups, isolation, run_python
-from trl_grpo_ext.tools import seccomp as seccomp_module
 from trl_grpo_ext.tools import python as python_module
+from trl_grpo_ext.tools import seccomp as seccomp_module
 from trl_grpo_ext.tools.functions import async_function
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

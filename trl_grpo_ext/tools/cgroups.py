@@ -83,7 +83,9 @@ class Hierarchy:
                 _write(leaf.directories[""], "pids.max", processes)
             else:
                 _write(leaf.directories["memory"], "memory.limit_in_bytes", memory_bytes)
-                _write_if_present(leaf.directories["memory"], "memory.memsw.limit_in_bytes", memory_bytes)
+                _write_if_present(
+                    leaf.directories["memory"], "memory.memsw.limit_in_bytes", memory_bytes
+                )
                 _write(leaf.directories["pids"], "pids.max", processes)
         except OSError:
             leaf.remove()
@@ -101,7 +103,9 @@ class Hierarchy:
                 continue
         for name in names:
             if is_dead(name):
-                Leaf(self.version, {c: os.path.join(p, name) for c, p in self.parents.items()}).remove()
+                Leaf(
+                    self.version, {c: os.path.join(p, name) for c, p in self.parents.items()}
+                ).remove()
                 removed += 1
         return removed
 

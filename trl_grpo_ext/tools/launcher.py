@@ -46,7 +46,7 @@ if bpf:
             "Error: the sandbox could not load its seccomp filter "
             f"({os.strerror(ctypes.get_errno())}); no program ran.\\n"
         )
-        os._exit(%(setup_failed)d)
+        os._exit(SETUP_FAILED)
 del resource, bpf
 launcher = os.getpid()
 child = os.fork()
@@ -81,7 +81,7 @@ except SystemExit:
 except BaseException as error:
     traceback.print_exception(type(error), error, error.__traceback__.tb_next)
     sys.exit(1)
-""" % {"setup_failed": SETUP_FAILED}
+""".replace("SETUP_FAILED", str(SETUP_FAILED))
 
 
 def read_status(path: str) -> int | None:
@@ -106,4 +106,3 @@ def is_text(code) -> str | None:
             f"({code[error.start]!r}); send the program as plain UTF-8 text."
         )
     return None
-

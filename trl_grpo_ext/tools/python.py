@@ -205,12 +205,15 @@ class PythonSandbox:
             os.mkdir(root)
             command = isolation.namespace_command(root, program, self.work_mb, python, uid=uid)
         command = isolation.first_process(command, leaf.procs_files if leaf else [])
+        environment = isolation.environment()
+        if mechanism == PROCESS:
+            environment = _process_environment(scratch)
         popen = {
             "stdin": subprocess.DEVNULL,
             "stdout": subprocess.PIPE,
             "stderr": subprocess.STDOUT,
             "cwd": scratch,
-            "env": _process_environment(scratch) if mechanism == PROCESS else isolation.environment(),
+            "env": environment,
             "pass_fds": (status.fileno(), source.fileno()),
             "start_new_session": True,  # its own process group, killed as a whole
         }
