@@ -21,7 +21,7 @@ from __future__ import annotations
 SETUP_FAILED = 125
 
 SOURCE = """\
-import ctypes, os, resource, sys, traceback
+import ctypes, os, resource, sys
 cpu, memory, processes, file_size, files, status, keyctl = map(int, sys.argv[1:8])
 bpf = bytes.fromhex(sys.argv[8])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -72,6 +72,7 @@ with open("main.py", "rb") as file:
 try:
     code = compile(source, "main.py", "exec")
 except (SyntaxError, ValueError) as error:
+    import traceback  # only when needed: it takes longer to import than the rest
     sys.stderr.write("".join(traceback.format_exception_only(error)))
     sys.exit(1)
 try:
@@ -79,6 +80,7 @@ try:
 except SystemExit:
     raise
 except BaseException as error:
+    import traceback
     traceback.print_exception(type(error), error, error.__traceback__.tb_next)
     sys.exit(1)
 """.replace("SETUP_FAILED", str(SETUP_FAILED))

@@ -245,12 +245,17 @@ class PythonSandbox:
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
-        timed_out = False
+        # a timer kills it at the wall-clock limit: `wait(timeout)` would poll, adding up to 50 ms
+        expired = threading.Event()
+        timer = threading.Timer(
+            self.wall_seconds, lambda: (expired.set(), _kill_group(process.pid))
+        )
+        timer.start()
         try:
-            process.wait(timeout=self.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            process.wait()
         finally:
+            timer.cancel()
+            timed_out = expired.is_set()
             _kill_group(process.pid)
             process.wait()
             # The pipe ends when the last process holding it dies: at once with namespaces (the
