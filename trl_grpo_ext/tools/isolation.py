@@ -5,9 +5,10 @@ or, where neither can make them, a bare process with resource limits.
 Linux): the program runs in new network, PID, mount, IPC and UTS namespaces. Its file system is a
 fresh tmpfs holding read-only bind mounts of the system directories (`/usr` and the `/bin`,
 `/lib`... links to it, `/etc/ld.so.cache`), the interpreter's own prefix (`sys.base_prefix`),
-`/dev/{null,zero,random,urandom}`, a new `/proc`, and a writable tmpfs `/work` (its working
-directory, `/tmp` points to it); the host's root is unmounted after `pivot_root`, so nothing else
-of the host (home directories, `/etc`, `/tmp`, the project) exists for it. The network namespace
+`/dev/{null,zero,random,urandom}`, a small `/dev/shm`, a new `/proc`, and a writable tmpfs `/work`
+(its working directory, `/tmp` points to it; both tmpfs mounts have an inode cap); the host's root
+is unmounted after `pivot_root`, so nothing else of the host (home directories, `/etc`, `/tmp`,
+the project) exists for it. The network namespace
 has only a loopback interface, down. When all of it dies (the program exits, or is killed), the
 kernel kills every process left in its PID namespace.
 
@@ -16,7 +17,8 @@ kernel kills every process left in its PID namespace.
   cannot undo the read-only mounts, and `RLIMIT_NPROC` counts only its own processes (the kernel
   counts processes per user namespace).
 - Run by root, no user namespace is needed: the mounts are made as root, then the program runs as
-  an unused uid (one per call, from `SANDBOX_UIDS`) with no capabilities. This matters: the kernel
+  an unused uid (one per call, drawn at random from `SANDBOX_UIDS` and reserved while it runs)
+  with no capabilities. This matters: the kernel
   exempts uid 0 from `RLIMIT_NPROC`, even inside a user namespace, so a fork bomb of root's would
   be unbounded.
 

@@ -6,7 +6,10 @@ or by bubblewrap) where they can be made and limited by `setrlimit` in every cas
 `isolation` for exactly what each mechanism hides). What comes back is a string for the model,
 never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
 traceback when it fails, or a short error when it runs past a limit. When the call returns, every
-process of the program has been killed and its temporary files removed.
+process of the program has been killed and its temporary files removed. Memory and processes are
+bounded for the call as a whole by a cgroup of its own where the trainer can make one (`cgroups`),
+a seccomp filter closes kernel surface a math tool has no use for (`seccomp`), and the sandbox dies
+with the trainer (a parent-death signal; what a killed trainer leaves is removed at the next start).
 
 Calling `run_python(code)` (or a `PythonSandbox`) runs the program and waits for it; the trainer
 awaits `run_python.async_call(code)` instead (the same work, a subprocess driven by asyncio), so the
@@ -65,11 +68,13 @@ class PythonSandbox:
             Wall-clock time of a call, from start to finish; past it every process of the program
             is killed. Keep it below the trainer's `tool_call_timeout`.
         memory_mb (`int`, *optional*, defaults to `1024`):
-            Address space of each process (`RLIMIT_AS`), in MiB; an allocation past it raises
-            `MemoryError`.
+            Memory of the whole call, in MiB: every process, memfd, `/dev/shm` and `/work`
+            together, swap excluded (the call's cgroup, where one can be made: `bounds()` says),
+            past which the kernel kills a process of the call; and the address space of each
+            process (`RLIMIT_AS`), past which an allocation raises `MemoryError`.
         max_processes (`int`, *optional*, defaults to `16`):
             Processes and threads the program may have at once, its own included
-            (`RLIMIT_NPROC`); a fork past it fails.
+            (`RLIMIT_NPROC`, and the call's cgroup's `pids.max`); a fork past it fails.
         max_output_bytes (`int`, *optional*, defaults to `4096`):
             Bytes of output given back; the rest is counted and dropped, with a note saying so.
         work_mb (`int`, *optional*, defaults to `64`):
