@@ -20,7 +20,15 @@ import warnings
 
 import pytest
 
-from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, cgroups, isolation, run_python
+from trl_grpo_ext.tools import (
+    PythonSandbox,
+    ToolRunner,
+    ToolSet,
+    bounds,
+    cgroups,
+    isolation,
+    run_python,
+)
 from trl_grpo_ext.tools import python as python_module
 from trl_grpo_ext.tools import seccomp as seccomp_module
 from trl_grpo_ext.tools.functions import async_function
@@ -413,13 +421,27 @@ def test_memory_held_across_processes_and_memfds_is_bounded_per_call(sandbox):
     assert sandbox("print(1)") == "1" and cgroup_leftovers() == []
 
 
+def marked_processes(mark: str) -> list[int]:
+    """The processes running `sleep <mark>`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                if file.read() == b"sleep\0" + mark.encode() + b"\0":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 def test_a_trainer_killed_mid_call_leaves_no_process_and_no_folder(sandbox, tmp_path):
     """A trainer (a fork of this process) killed with SIGKILL while its program and a background
     process of the program run: they die with it; its scratch folder and cgroup are removed at the
     next start."""
+    mark = f"4321.{os.getpid()}{time.monotonic_ns() % 10**6}"  # this test's processes only
     code = (
-        "import subprocess, time\nsubprocess.Popen(['sleep', '4321'])\n"
-        "print('started', flush=True)\ntime.sleep(60)"
+        f"import os, subprocess\nsubprocess.Popen(['sleep', '{mark}'])\n"
+        f"os.execv('/bin/sleep', ['sleep', '{mark}'])"
     )
     trainer = os.fork()
     if trainer == 0:  # the trainer: one call with its scratch folder in tmp_path
@@ -428,31 +450,28 @@ def test_a_trainer_killed_mid_call_leaves_no_process_and_no_folder(sandbox, tmp_
             like(sandbox, wall_seconds=60.0)(code)
         finally:
             os._exit(0)
-    survivors = []
     try:
         end = time.monotonic() + 30
-        while not sandbox_leftovers()[0] and time.monotonic() < end:
+        while len(marked_processes(mark)) < 2 and time.monotonic() < end:
             time.sleep(0.05)
-        assert sandbox_leftovers()[0], "the program never started"
-        time.sleep(0.2)
+        assert len(marked_processes(mark)) == 2, "the program never started"
         os.kill(trainer, signal.SIGKILL)
         os.waitpid(trainer, 0)
         end = time.monotonic() + 10
-        while sandbox_leftovers()[0] and time.monotonic() < end:
+        while marked_processes(mark) and time.monotonic() < end:
             time.sleep(0.05)
-        survivors = sandbox_leftovers()[0]
         if sandbox.mechanism != isolation.PROCESS:
-            assert survivors == []  # the namespaces die with the trainer
+            assert marked_processes(mark) == []  # the namespaces die with the trainer
         folders = os.listdir(tmp_path)
         assert [name.startswith(f"run_python-{trainer}.") for name in folders] == [True]
-        python_module.remove_stale(str(tmp_path))  # what the next trainer does first
+        bounds.remove_stale(str(tmp_path))  # what the next trainer does first
         assert os.listdir(tmp_path) == []
-        # the process fallback: its program's own children die with the call's cgroup
-        assert sandbox_leftovers()[0] == [] or python_module._call_cgroups()[0] is None
+        # the process fallback: the program's own child dies with the call's cgroup
+        assert marked_processes(mark) == [] or python_module._call_cgroups()[0] is None
         assert cgroup_leftovers() == []
     finally:
-        for pid in sandbox_leftovers()[0]:
-            os.kill(int(pid), signal.SIGKILL)
+        for pid in marked_processes(mark):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_million_files_stop_at_the_inode_cap(sandbox, needs_namespaces):

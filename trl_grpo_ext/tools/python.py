@@ -29,7 +29,7 @@ import tempfile
 import threading
 import warnings
 
-from . import cgroups, isolation, launcher, seccomp
+from . import bounds, cgroups, isolation, launcher, seccomp
 from .isolation import BUBBLEWRAP, MECHANISMS, NAMESPACES, PROCESS
 
 _FILE_SIZE = 16 * 1024**2  # the largest file the program may write
@@ -173,7 +173,7 @@ class PythonSandbox:
     def _prepare(self, mechanism: str, code: str, cleanup: contextlib.ExitStack) -> _Call:
         """Everything a call needs before its program starts; `cleanup` undoes it, last first:
         the cgroup (killing whatever is left in it), the uid, the files, the scratch folder."""
-        _remove_stale_once()
+        bounds.remove_stale_once()
         # named after this trainer, so that a later one can remove it if this one is killed
         scratch = tempfile.mkdtemp(prefix=f"{cgroups.PREFIX}{cgroups.owner()}-")
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
@@ -434,24 +434,12 @@ class _Call:
 
 
 def _call_cgroups() -> tuple[cgroups.Hierarchy | None, str]:
-    """Where this process makes a cgroup per call, found once; else None and why, with a warning
-    (once) that says which bounds hold."""
-    global _cgroups
-    with _default_lock:
-        if _cgroups is None:
-            try:
-                _cgroups = (cgroups.find(), "")
-            except cgroups.CgroupsUnavailable as error:
-                _cgroups = (None, str(error))
-                _warn(
-                    f"run_python cannot make a cgroup per call: {error}. What bounds a call: "
-                    "`memory_mb` bounds each process's address space, not memory held across "
-                    "processes or in memfds, /dev/shm (16 MiB) and /work (`work_mb`); "
-                    "`max_processes` bounds the program's processes only where it runs as a "
-                    "uid of its own (namespaces; not the process fallback as root); `cpu_seconds` "
-                    "each process's CPU time, `wall_seconds` the call's."
-                )
-        return _cgroups
+    """`bounds.call_cgroups()`, with a warning (once) that says which bounds hold without one."""
+    hierarchy, reason = bounds.call_cgroups()
+    if hierarchy is None:
+        with _default_lock:
+            _warn(bounds.without_cgroups(reason))
+    return hierarchy, reason
 
 
 def _seccomp_filter() -> bytes:
@@ -460,35 +448,8 @@ def _seccomp_filter() -> bytes:
         return seccomp.compiled_filter()
     except seccomp.Unavailable as error:
         with _default_lock:
-            _warn(
-                f"run_python runs programs without a seccomp filter: {error}. Keyrings, io_uring, "
-                "nested user namespaces, ptrace, bpf, perf_event_open and every socket family "
-                "(vsock included) stay open to them."
-            )
+            _warn(bounds.without_filter(str(error)))
         return b""
-
-
-def _remove_stale_once() -> None:
-    """At this process's first call: `remove_stale()`."""
-    global _stale_removed
-    with _default_lock:
-        if _stale_removed:
-            return
-        _stale_removed = True
-    remove_stale()
-
-
-def remove_stale(folder: str | None = None) -> None:
-    """Removes the scratch folders (in `folder`, by default the temp folder) and cgroups that
-    trainers killed mid-call left behind, killing what still runs in those cgroups; those of
-    live trainers are theirs, and left alone. Every process runs it before its first call."""
-    folder = folder or tempfile.gettempdir()
-    for name in os.listdir(folder):
-        if name.startswith(cgroups.PREFIX) and cgroups.is_dead(name):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    hierarchy, _ = _call_cgroups()
-    if hierarchy is not None:
-        hierarchy.remove_stale()
 
 
 def _warn(message: str) -> None:
@@ -499,8 +460,6 @@ def _warn(message: str) -> None:
 
 
 _default: PythonSandbox | None = None
-_cgroups: tuple[cgroups.Hierarchy | None, str] | None = None
-_stale_removed = False
 _warned: set[str] = set()
 _default_lock = threading.Lock()
 
