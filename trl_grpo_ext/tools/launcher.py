@@ -48,6 +48,9 @@ if bpf:
         )
         os._exit(SETUP_FAILED)
 del resource, bpf
+# SIGKILL when its parent dies: the trainer itself in the process fallback (also where no
+# `setpriv` set it), else the sandbox's first process, which dies with the trainer
+libc.prctl(1, 9, 0, 0, 0)
 launcher = os.getpid()
 child = os.fork()
 if child:
