@@ -4,11 +4,14 @@ string; hostile programs affect neither the host's files, environment, network n
 The `sandbox` fixture runs each test under each mechanism: namespaces made by util-linux, by
 bubblewrap, and the process fallback; a mechanism this machine cannot run is skipped with the
 reason. The hostile cases run only under the namespaces (`needs_namespaces`): without them a
-program could really delete or kill. The fallback is tested on harmless programs."""
+program could really delete or kill. The fallback is tested on harmless programs, and on the hostile cases that it bounds (the seccomp
+filter, the per-call cgroup, the exit status, the parent-death signal)."""
 
 import asyncio
+import ctypes
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -17,14 +20,42 @@ import warnings
 
 import pytest
 
-from trl_grpo_ext.tools import PythonSandbox, ToolRunner, ToolSet, isolation, run_python
+from trl_grpo_ext.tools import (
+    PythonSandbox,
+    ToolRunner,
+    ToolSet,
+    bounds,
+    cgroups,
+    isolation,
+    run_python,
+)
 from trl_grpo_ext.tools import python as python_module
+from trl_grpo_ext.tools import seccomp as seccomp_module
 from trl_grpo_ext.tools.functions import async_function
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_CFG = os.path.join(PROJECT, "setup.cfg")
 # Small limits: every hostile case is over in seconds.
 LIMITS = dict(cpu_seconds=2, wall_seconds=5.0, memory_mb=512, max_processes=8)
+
+
+@pytest.fixture(autouse=True)
+def deadline(request):
+    """A hang is a failure: every test but the slow ones fails past 180 s."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+
+    def hung(signum, frame):
+        pytest.fail("the test ran past its deadline of 180 s (a hang)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, 180)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module", params=isolation.MECHANISMS)
@@ -45,6 +76,17 @@ def sandbox(request):
 def needs_namespaces(sandbox):
     if sandbox.mechanism == isolation.PROCESS:
         pytest.skip("hostile programs run only in namespaces")
+
+
+@pytest.fixture
+def needs_containment(sandbox):
+    """Namespaces, or the process fallback run by root in a cgroup per call, which bounds and
+    kills every process of a call (as root, `RLIMIT_NPROC` does not apply; the cgroup does)."""
+    if sandbox.mechanism == isolation.PROCESS:
+        if os.geteuid() != 0:
+            pytest.skip("the fallback's RLIMIT_NPROC counts all of this user's processes")
+        if python_module._call_cgroups()[0] is None:
+            pytest.skip("the fallback contains processes only with a cgroup per call")
 
 
 def like(sandbox, **limits):
@@ -68,7 +110,35 @@ def sandbox_leftovers() -> tuple[list[str], list[str]]:
     temporary = [
         name for name in os.listdir(tempfile.gettempdir()) if name.startswith("run_python-")
     ]
-    return processes, temporary
+    return processes, temporary + cgroup_leftovers()
+
+
+def cgroup_leftovers() -> list[str]:
+    """The per-call cgroups of this process (and of dead ones) still on the host."""
+    hierarchy, _ = python_module._call_cgroups()
+    if hierarchy is None:
+        return []
+    left = []
+    for parent in hierarchy.parents.values():
+        for name in os.listdir(parent):
+            if name.startswith(cgroups.PREFIX + cgroups.owner() + "-") or (
+                name.startswith(cgroups.PREFIX) and cgroups.is_dead(name)
+            ):
+                left.append(os.path.join(parent, name))
+    return left
+
+
+def needs_filter():
+    try:
+        seccomp_module.compiled_filter()
+    except seccomp_module.Unavailable as error:
+        pytest.skip(f"no seccomp filter here: {error}")
+
+
+def needs_cgroup():
+    hierarchy, reason = python_module._call_cgroups()
+    if hierarchy is None:
+        pytest.skip(f"no cgroup per call here: {reason}")
 
 
 # --- what a program gets back ---------------------------------------------------------------
@@ -137,7 +207,7 @@ def test_printing_100_mb_comes_back_truncated(sandbox):
     )
 
 
-def test_a_fork_bomb_is_held_to_max_processes(sandbox, needs_namespaces):
+def test_a_fork_bomb_is_held_to_max_processes(sandbox, needs_containment):
     count = "import os, time\nn = 0\ntry:\n    while n < 100:\n        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as error:\n    print(type(error).__name__, n)"
     # the program and its children: at most max_processes = 8, so 7 forks succeed
     assert sandbox(count) == "BlockingIOError 7"
@@ -256,15 +326,287 @@ def run_and_check_leftovers(sandbox, count):
     assert sandbox_leftovers() == before == ([], [])
 
 
-def test_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namespaces):
+def test_calls_leave_no_process_and_no_temporary_file(sandbox, needs_containment):
     run_and_check_leftovers(sandbox, 20)
     like(sandbox, wall_seconds=0.5)("import time\ntime.sleep(10)")  # killed mid-run
     assert sandbox_leftovers() == ([], [])
 
 
 @pytest.mark.slow
-def test_1000_calls_leave_no_process_and_no_temporary_file(sandbox, needs_namespaces):
+def test_1000_calls_leave_no_process_and_no_temporary_file(sandbox, needs_containment):
     run_and_check_leftovers(sandbox, 1000)
+
+
+# --- what got through before: keyrings, memory, a killed trainer, kernel surface -------------
+
+KEYCTL, ADD_KEY = seccomp_module.syscall_number("keyctl"), seccomp_module.syscall_number("add_key")
+SESSION_KEYRING, USER_KEYRING = -3, -4  # KEY_SPEC_*
+CANARY = b"canary-7d41c0ffee"
+
+
+def keyring_program(serial: int) -> str:
+    """Reads the canary by its serial number, searches the session and user keyrings for it, and
+    plants a key in its own user keyring; prints what each gave."""
+    return (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "L = ctypes.c_long\n"
+        "buffer = ctypes.create_string_buffer(256)\n"
+        "for name, arguments in (\n"
+        f"    ('read', (L(11), L({serial}), buffer, L(256))),\n"
+        f"    ('search session', (L(10), L({SESSION_KEYRING}), b'user', b'run_python_canary', L(0))),\n"
+        f"    ('search user', (L(10), L({USER_KEYRING}), b'user', b'run_python_canary', L(0))),\n"
+        "):\n"
+        f"    result = libc.syscall(L({KEYCTL}), *arguments)\n"
+        "    print(name, result, os.strerror(ctypes.get_errno()) if result < 0 else buffer.value)\n"
+        f"result = libc.syscall(L({ADD_KEY}), b'user', b'planted', b'x', L(1), L({USER_KEYRING}))\n"
+        "print('add', result, os.strerror(ctypes.get_errno()) if result < 0 else 'added')\n"
+    )
+
+
+@pytest.fixture
+def canary_key():
+    """A user key in this process's session keyring (a new one, which links root's user keyring,
+    as pam_keyinit sets up); its serial number. Revoked afterwards."""
+    if KEYCTL < 0 or ADD_KEY < 0:
+        pytest.skip("keyctl and add_key are unknown on this architecture")
+    libc = ctypes.CDLL(None, use_errno=True)
+    L = ctypes.c_long
+    if libc.syscall(L(KEYCTL), L(1), None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING: a new one
+        pytest.skip(f"no keyrings here: {os.strerror(ctypes.get_errno())}")
+    libc.syscall(L(KEYCTL), L(8), L(USER_KEYRING), L(SESSION_KEYRING))  # KEYCTL_LINK
+    serial = libc.syscall(
+        L(ADD_KEY), b"user", b"run_python_canary", CANARY, L(len(CANARY)), L(SESSION_KEYRING)
+    )
+    assert serial > 0, os.strerror(ctypes.get_errno())
+    try:
+        yield serial
+    finally:
+        libc.syscall(L(KEYCTL), L(3), L(serial))  # KEYCTL_REVOKE
+
+
+def test_a_canary_key_in_the_trainers_session_keyring_is_out_of_reach(sandbox, canary_key):
+    needs_filter()
+    output = sandbox(keyring_program(canary_key))
+    assert CANARY.decode() not in output
+    # the filter refuses every keyring call, adding a key to its own user keyring included
+    assert output.count("Operation not permitted") == 4, output
+
+
+def test_without_the_filter_the_session_keyring_is_still_a_new_one(
+    sandbox, canary_key, monkeypatch
+):
+    monkeypatch.setattr(python_module, "_seccomp_filter", lambda: b"")
+    output = sandbox(keyring_program(canary_key))
+    assert "search session -1 Required key not available" in output, output
+    if sandbox.mechanism != isolation.PROCESS or os.geteuid() != 0:
+        # a uid of its own: the trainer's key is not its to read, by number or in a keyring
+        assert CANARY.decode() not in output
+
+
+def test_memory_held_across_processes_and_memfds_is_bounded_per_call(sandbox):
+    needs_cgroup()
+    # three processes, each within its own address space limit, holding 400 MiB of memfds
+    program = (
+        "import os\n"
+        "def hold():\n"
+        "    for i in range(25):\n"
+        "        fd = os.memfd_create(f'm{i}')\n"
+        "        for _ in range(16):\n"
+        "            os.write(fd, b'x' * 2**20)\n"
+        "    os._exit(0)\n"
+        "children = []\n"
+        "for _ in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        hold()\n"
+        "    children.append(pid)\n"
+        "codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]\n"
+        "print('children', codes)\n"
+        "if codes == [0, 0, 0]:\n"
+        "    print('all held 1200 MiB')\n"
+    )
+    output = like(sandbox, memory_mb=512, wall_seconds=30.0, cpu_seconds=20)(program)
+    assert "all held" not in output
+    assert "memory limit of 512 MiB for the whole call" in output, output
+    assert sandbox("print(1)") == "1" and cgroup_leftovers() == []
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The processes running `sleep <mark>`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                if file.read() == b"sleep\0" + mark.encode() + b"\0":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_trainer_killed_mid_call_leaves_no_process_and_no_folder(sandbox, tmp_path):
+    """A trainer (a fork of this process) killed with SIGKILL while its program and a background
+    process of the program run: they die with it; its scratch folder and cgroup are removed at the
+    next start."""
+    mark = f"4321.{os.getpid()}{time.monotonic_ns() % 10**6}"  # this test's processes only
+    code = (
+        f"import os, subprocess\nsubprocess.Popen(['sleep', '{mark}'])\n"
+        f"os.execv('/bin/sleep', ['sleep', '{mark}'])"
+    )
+    trainer = os.fork()
+    if trainer == 0:  # the trainer: one call with its scratch folder in tmp_path
+        try:
+            tempfile.tempdir = str(tmp_path)
+            like(sandbox, wall_seconds=60.0)(code)
+        finally:
+            os._exit(0)
+    try:
+        end = time.monotonic() + 30
+        while len(marked_processes(mark)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(marked_processes(mark)) == 2, "the program never started"
+        os.kill(trainer, signal.SIGKILL)
+        os.waitpid(trainer, 0)
+        end = time.monotonic() + 10
+        while marked_processes(mark) and time.monotonic() < end:
+            time.sleep(0.05)
+        if sandbox.mechanism != isolation.PROCESS:
+            assert marked_processes(mark) == []  # the namespaces die with the trainer
+        folders = os.listdir(tmp_path)
+        assert [name.startswith(f"run_python-{trainer}.") for name in folders] == [True]
+        bounds.remove_stale(str(tmp_path))  # what the next trainer does first
+        assert os.listdir(tmp_path) == []
+        # the process fallback: the program's own child dies with the call's cgroup
+        assert marked_processes(mark) == [] or python_module._call_cgroups()[0] is None
+        assert cgroup_leftovers() == []
+    finally:
+        for pid in marked_processes(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_million_files_stop_at_the_inode_cap(sandbox, needs_namespaces):
+    program = (
+        "import os\nn = 0\ntry:\n    while True:\n        open(f'/work/f{n}', 'w').close()\n"
+        "        n += 1\nexcept OSError as error:\n    print(n, error.strerror)"
+    )
+    count, reason = sandbox(program).split(" ", 1)
+    assert int(count) < isolation.WORK_INODES and reason == "No space left on device"
+
+
+def test_vsock_and_other_socket_families_are_refused(sandbox):
+    needs_filter()
+    program = (
+        "import socket\n"
+        "for family in ('AF_VSOCK', 'AF_NETLINK', 'AF_PACKET', 'AF_UNIX', 'AF_INET', 'AF_INET6'):\n"
+        "    try:\n"
+        "        socket.socket(getattr(socket, family), socket.SOCK_DGRAM).close()\n"
+        "        print(family, 'opened')\n"
+        "    except OSError as error:\n"
+        "        print(family, error.strerror)\n"
+        "socket.socketpair()\n"
+    )
+    refused = "Address family not supported by protocol"
+    assert sandbox(program).splitlines() == [
+        f"AF_VSOCK {refused}",
+        f"AF_NETLINK {refused}",
+        f"AF_PACKET {refused}",
+        "AF_UNIX opened",
+        "AF_INET opened",
+        "AF_INET6 opened",
+    ]
+
+
+def test_nested_namespaces_io_uring_ptrace_bpf_and_mounts_are_refused(sandbox):
+    needs_filter()
+    calls = {
+        "unshare(CLONE_NEWUSER)": ("unshare", "0x10000000"),
+        "clone(CLONE_NEWUSER)": ("clone", "0x10000000 | 17, 0, 0, 0, 0"),
+        "io_uring_setup": ("io_uring_setup", "8, ctypes.create_string_buffer(120)"),
+        "ptrace(PTRACE_TRACEME)": ("ptrace", "0, 0, 0, 0"),
+        "bpf": ("bpf", "0, 0, 0"),
+        "perf_event_open": ("perf_event_open", "ctypes.create_string_buffer(128), 0, -1, -1, 0"),
+        "mount": ("mount", "b'none', b'/work', b'tmpfs', 0, 0"),
+    }
+    lines = ["import ctypes, os, threading", "libc = ctypes.CDLL(None, use_errno=True)"]
+    for label, (name, arguments) in calls.items():
+        number = seccomp_module.syscall_number(name)
+        lines.append(
+            f"result = libc.syscall({number}, {arguments})\n"
+            f"print({label!r}, result, os.strerror(ctypes.get_errno()) if result < 0 else '')"
+        )
+    # what stays allowed: threads (clone3 refused, the C library falls back to clone), fork
+    lines.append("thread = threading.Thread(target=print, args=('thread',))\nthread.start()")
+    lines.append("thread.join()\npid = os.fork()\nif pid == 0:\n    os._exit(7)")
+    lines.append("print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
+    output = sandbox("\n".join(lines)).splitlines()
+    assert output == [f"{label} -1 Operation not permitted" for label in calls] + [
+        "thread",
+        "fork 7",
+    ]
+
+
+@pytest.mark.parametrize("code", ["print('\ud800')", b"print(1)", None, 42])
+def test_code_that_is_not_text_is_an_error(sandbox, code):
+    output = sandbox(code)
+    assert output.startswith("Error: the code")
+    assert asyncio.run(sandbox.async_call(code)) == output
+    if isinstance(code, str):
+        assert output == (
+            "Error: the code is not valid text: surrogates not allowed at position 7 ('\\ud800'); "
+            "send the program as plain UTF-8 text."
+        )
+
+
+def test_exit_statuses_are_reported_as_what_they_are(sandbox):
+    assert sandbox("import sys\nsys.exit(137)") == "Exit status 137."
+    assert sandbox("import os\nos._exit(200)") == "Exit status 200."
+    assert sandbox("import os\nos.kill(os.getpid(), 9)") == (
+        "Error: the program was killed by SIGKILL."
+    )
+    assert sandbox("import os\nos.kill(os.getpid(), 15)") == (
+        "Error: the program was killed by SIGTERM."
+    )
+    assert sandbox("raise SystemExit('bye')") == "bye"
+
+
+def test_dev_shm_is_present_and_small(sandbox, needs_namespaces):
+    program = (
+        "import multiprocessing, os\n"
+        "from multiprocessing import shared_memory\n"
+        "memory = shared_memory.SharedMemory(create=True, size=4096)\n"
+        "memory.close()\nmemory.unlink()\n"
+        "with multiprocessing.Pool(2) as pool:\n"
+        "    print(pool.map(abs, [-1, -2, -3]))\n"
+        "try:\n"
+        "    with open('/dev/shm/big', 'wb') as file:\n"
+        "        file.write(b'x' * (64 * 1024**2))\n"
+        "except OSError as error:\n"
+        "    print(error.strerror, os.path.getsize('/dev/shm/big'))\n"
+    )
+    pool, full = sandbox(program).splitlines()
+    assert pool == "[1, 2, 3]" and full.startswith("No space left on device ")
+    assert 0 < int(full.rsplit(" ", 1)[1]) <= isolation.SHM_MB * 1024**2
+
+
+def test_the_program_is_what_the_oom_killer_picks(sandbox):
+    assert sandbox("print(open('/proc/self/oom_score_adj').read().strip())") == "1000"
+
+
+def test_sandbox_uids_are_random_reserved_and_unique(sandbox, needs_namespaces, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("an unprivileged trainer's programs run in a user namespace of their own")
+    uids = {int(sandbox("import os\nprint(os.getuid())")) for _ in range(3)}
+    assert len(uids) == 3 and all(uid in isolation.SANDBOX_UIDS for uid in uids)
+    held = isolation.UidReservation()
+    try:
+        draws = iter([held.uid, held.uid, held.uid + 1])
+        monkeypatch.setattr(isolation, "_random_uid", lambda: next(draws))
+        second = isolation.UidReservation()  # the held uid is skipped
+        assert second.uid == held.uid + 1
+        second.release()
+    finally:
+        held.release()
 
 
 # --- which mechanism "auto" picks ---------------------------------------------------------
@@ -343,7 +685,7 @@ def test_the_programs_of_different_rollouts_run_at_once(tmp_path):
     assert [rollout[0].content for rollout in results] == ["together"] * 4
 
 
-def test_a_call_past_the_tool_timeout_is_cancelled_and_leaves_nothing(sandbox, needs_namespaces):
+def test_a_call_past_the_tool_timeout_is_cancelled_and_leaves_nothing(sandbox, needs_containment):
     tools = ToolSet([like(sandbox, wall_seconds=60.0)])
     code = "import time\ntime.sleep(60)"
     tool_call = {

@@ -5,9 +5,10 @@ or, where neither can make them, a bare process with resource limits.
 Linux): the program runs in new network, PID, mount, IPC and UTS namespaces. Its file system is a
 fresh tmpfs holding read-only bind mounts of the system directories (`/usr` and the `/bin`,
 `/lib`... links to it, `/etc/ld.so.cache`), the interpreter's own prefix (`sys.base_prefix`),
-`/dev/{null,zero,random,urandom}`, a new `/proc`, and a writable tmpfs `/work` (its working
-directory, `/tmp` points to it); the host's root is unmounted after `pivot_root`, so nothing else
-of the host (home directories, `/etc`, `/tmp`, the project) exists for it. The network namespace
+`/dev/{null,zero,random,urandom}`, a small `/dev/shm`, a new `/proc`, and a writable tmpfs `/work`
+(its working directory, `/tmp` points to it; both tmpfs mounts have an inode cap); the host's root
+is unmounted after `pivot_root`, so nothing else of the host (home directories, `/etc`, `/tmp`,
+the project) exists for it. The network namespace
 has only a loopback interface, down. When all of it dies (the program exits, or is killed), the
 kernel kills every process left in its PID namespace.
 
@@ -16,7 +17,8 @@ kernel kills every process left in its PID namespace.
   cannot undo the read-only mounts, and `RLIMIT_NPROC` counts only its own processes (the kernel
   counts processes per user namespace).
 - Run by root, no user namespace is needed: the mounts are made as root, then the program runs as
-  an unused uid (one per call, from `SANDBOX_UIDS`) with no capabilities. This matters: the kernel
+  an unused uid (one per call, drawn at random from `SANDBOX_UIDS` and reserved while it runs)
+  with no capabilities. This matters: the kernel
   exempts uid 0 from `RLIMIT_NPROC`, even inside a user namespace, so a fork bomb of root's would
   be unbounded.
 
@@ -48,9 +50,10 @@ user running the trainer sees them.
 
 from __future__ import annotations
 
-import itertools
 import os
+import secrets
 import shutil
+import socket
 import sys
 
 NAMESPACES = "namespaces"
@@ -60,8 +63,15 @@ MECHANISMS = (NAMESPACES, BUBBLEWRAP, PROCESS)
 
 # uids for the programs of a root process, one per call: `RLIMIT_NPROC` counts per uid, so calls
 # running at once do not share a count. High and unnamed, so no file on the host belongs to them.
+# Drawn at random and reserved while the call runs (`UidReservation`), so that no two calls of any
+# processes share one, and an earlier run's uid is not predictable.
 SANDBOX_UIDS = range(1_900_000_000, 2_000_000_000)
-_next_uid = itertools.count(os.getpid() * 1000)
+# Sizes of the program's /dev/shm (for `multiprocessing`'s semaphores and small shared arrays) and
+# the inodes of its tmpfs mounts: a million empty files would otherwise hold about 1 GiB of kernel
+# memory outside every limit.
+SHM_MB = 16
+WORK_INODES = 4096
+SHM_INODES = 256
 
 # What the program sees of the host, read-only: the system directories (or, with a merged /usr,
 # the links to it) and the dynamic linker's cache. Paths missing on a host are skipped.
@@ -70,11 +80,12 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 # Runs as root of the new mount namespace: builds the program's root, moves into it, drops the
 # host's root and privileges, and runs the rest of its arguments (the interpreter).
 # $1: mount point of the new root; $2: the program's file; $3: size of /work in MiB; $4: uid to
-# run as ("" in a user namespace: stay its root without capabilities); then read-only paths; "--".
+# run as ("" in a user namespace: stay its root without capabilities); $5: inodes of /work; $6:
+# size of /dev/shm in MiB; $7: its inodes; then read-only paths; "--".
 SETUP_SCRIPT = r"""
 set -eu
-root=$1 program=$2 size=$3 uid=$4
-shift 4
+root=$1 program=$2 size=$3 uid=$4 inodes=$5 shm=$6 shm_inodes=$7
+shift 7
 mount -t tmpfs -o mode=0755,size=1m sandbox "$root"
 while [ "$1" != "--" ]; do
   path=$1
@@ -93,14 +104,15 @@ while [ "$1" != "--" ]; do
   fi
 done
 shift
-mkdir -p "$root/dev" "$root/proc" "$root/work" "$root/old"
+mkdir -p "$root/dev/shm" "$root/proc" "$root/work" "$root/old"
 for device in null zero random urandom; do
   touch "$root/dev/$device"
   mount --bind "/dev/$device" "$root/dev/$device"
 done
 ln -s /proc/self/fd "$root/dev/fd"
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
-mount -t tmpfs -o "mode=0755,size=${size}m,nosuid,nodev" work "$root/work"
+mount -t tmpfs -o "mode=0755,size=${size}m,nr_inodes=$inodes,nosuid,nodev" work "$root/work"
+mount -t tmpfs -o "mode=1777,size=${shm}m,nr_inodes=$shm_inodes,nosuid,nodev" shm "$root/dev/shm"
 cp "$program" "$root/work/main.py"
 ln -s work "$root/tmp"
 if [ -n "$uid" ]; then
@@ -138,19 +150,56 @@ def interpreter() -> str:
     return os.path.realpath(sys.executable)
 
 
+# The first process of every call, on the host: makes the OOM killer pick the sandbox before
+# anything else (`oom_score_adj` 1000, inherited by all its processes), moves itself into the
+# call's cgroup (its arguments up to "--": `cgroup.procs` files; 0 is the writer), then becomes the
+# rest of its arguments. Run under `setpriv --pdeathsig KILL`, so it dies with the trainer.
+JOIN_SCRIPT = r"""
+echo 1000 >/proc/self/oom_score_adj
+while [ "$1" != "--" ]; do
+  echo 0 >"$1" || { echo "run_python: cannot join the call's cgroup ($1)" >&2; exit 125; }
+  shift
+done
+shift
+exec "$@"
+"""
+
+
+def first_process(command: list[str], procs_files: list[str] = ()) -> list[str]:
+    """`command` run under a parent-death signal (SIGKILL when the trainer dies), with
+    `oom_score_adj` 1000 and in the cgroup whose `cgroup.procs` files are `procs_files`."""
+    join = ["sh", "-c", JOIN_SCRIPT, "run_python-join", *procs_files, "--", *command]
+    if shutil.which("setpriv", path=_PATH) is None:  # util-linux missing: the process fallback
+        return join
+    return ["setpriv", "--pdeathsig", "KILL", "--", *join]
+
+
 def namespace_command(
-    root: str, program: str, work_mb: int, command: list[str], as_root: bool | None = None
+    root: str,
+    program: str,
+    work_mb: int,
+    command: list[str],
+    as_root: bool | None = None,
+    uid: int | None = None,
 ) -> list[str]:
     """The command that runs `command` (an interpreter and its arguments) in new namespaces, with
     `program` as `/work/main.py` and `root` (an empty directory) as the mount point of its root.
-    `as_root`: whether to run as root (mounts as root, the program as a sandbox uid) or in a user
-    namespace; by default, whether this process is root."""
+    `as_root`: whether to run as root (mounts as root, the program as `uid`, by default a fresh
+    one of `SANDBOX_UIDS`) or in a user namespace; by default, whether this process is root."""
     as_root = os.geteuid() == 0 if as_root is None else as_root
     unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
     if not as_root:
-        unshare += ["--user", "--map-root-user"]
-    uid = str(_sandbox_uid()) if as_root else ""
-    setup = ["sh", "-c", SETUP_SCRIPT, "sandbox-setup", root, program, str(work_mb), uid]
+        # The user namespace first, in a process of its own: making it resets the parent-death
+        # signal (the credentials change), which `setpriv` then sets again for the rest.
+        unshare = [
+            *("unshare", "--user", "--map-root-user", "--", "setpriv", "--pdeathsig", "KILL"),
+            *("--", *unshare),
+        ]
+    uid_argument = str(uid if uid is not None else _random_uid()) if as_root else ""
+    setup = [
+        *("sh", "-c", SETUP_SCRIPT, "sandbox-setup", root, program, str(work_mb), uid_argument),
+        *(str(WORK_INODES), str(SHM_MB), str(SHM_INODES)),
+    ]
     return [*unshare, "--", *setup, *_visible_paths(), "--", *command]
 
 
@@ -160,13 +209,27 @@ def bubblewrap() -> str | None:
     return shutil.which("bwrap", path=path)
 
 
+# Run as root in bwrap's namespaces, before the program: caps the inodes of the tmpfs mounts
+# (which `bwrap --tmpfs` cannot), then runs the rest of its arguments.
+_BUBBLEWRAP_INODES = r"""
+mount -o "remount,nr_inodes=$1" /work && mount -o "remount,nr_inodes=$2" /dev/shm || exit 125
+shift 2
+exec "$@"
+"""
+
+
 def bubblewrap_command(
-    program_fd: int, work_mb: int, command: list[str], as_root: bool | None = None
+    program_fd: int,
+    work_mb: int,
+    command: list[str],
+    as_root: bool | None = None,
+    uid: int | None = None,
 ) -> list[str]:
     """The command that runs `command` (an interpreter and its arguments) in new namespaces made
     by `bwrap`, with the file open as `program_fd` (passed to it) copied to `/work/main.py`.
-    `as_root`: whether to run as root (no user namespace, the program as a sandbox uid) or let
-    `bwrap` make a user namespace; by default, whether this process is root."""
+    `as_root`: whether to run as root (no user namespace, the program as `uid`, by default a fresh
+    one of `SANDBOX_UIDS`) or let `bwrap` make a user namespace; by default, whether this process
+    is root."""
     as_root = os.geteuid() == 0 if as_root is None else as_root
     executable = bubblewrap()
     if executable is None:
@@ -179,7 +242,8 @@ def bubblewrap_command(
         # bwrap's user namespace would keep root's uid on the host, which RLIMIT_NPROC exempts
         arguments += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         arguments += ["--unshare-cgroup-try"]
-        for capability in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):  # setpriv's, below
+        # setpriv's, below, and the remount of the tmpfs mounts with an inode cap
+        for capability in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_SYS_ADMIN"):
             arguments += ["--cap-add", capability]
     else:
         arguments += ["--unshare-all"]
@@ -199,21 +263,44 @@ def bubblewrap_command(
     for device in ("null", "zero", "random", "urandom"):
         arguments += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
     arguments += ["--symlink", "/proc/self/fd", "/dev/fd", "--proc", "/proc"]
+    arguments += ["--perms", "1777", "--size", str(SHM_MB * 1024**2), "--tmpfs", "/dev/shm"]
     # mode 0777: as root, the program's uid does not own the tmpfs
     arguments += ["--perms", "0777", "--size", str(work_mb * 1024**2), "--tmpfs", "/work"]
     arguments += ["--perms", "0666", "--file", str(program_fd), "/work/main.py"]
     arguments += ["--symlink", "work", "/tmp", "--remount-ro", "/", "--chdir", "/work"]
     if as_root:
-        uid = _sandbox_uid()
+        uid = uid if uid is not None else _random_uid()
         command = [
+            *("sh", "-c", _BUBBLEWRAP_INODES, "sandbox-inodes", str(WORK_INODES), str(SHM_INODES)),
             *("setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"),
             *("--inh-caps=-all", "--bounding-set=-all", "--", *command),
         ]
     return [*arguments, "--", *command]
 
 
-def _sandbox_uid() -> int:
-    return SANDBOX_UIDS[next(_next_uid) % len(SANDBOX_UIDS)]
+class UidReservation:
+    """A uid of `SANDBOX_UIDS` that no other call, of this or any process on this host, uses while
+    it is held: drawn at random, and held by binding an abstract unix socket named after it (the
+    kernel refuses a second bind, and frees the name when the holder exits, even killed)."""
+
+    def __init__(self) -> None:
+        while True:
+            uid = _random_uid()
+            holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                holder.bind(f"\0trl_grpo_ext.run_python.uid.{uid}")
+            except OSError:  # held by another call
+                holder.close()
+                continue
+            self.uid, self._holder = uid, holder
+            return
+
+    def release(self) -> None:
+        self._holder.close()
+
+
+def _random_uid() -> int:
+    return SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
 
 
 def _visible_paths() -> list[str]:

@@ -6,7 +6,10 @@ or by bubblewrap) where they can be made and limited by `setrlimit` in every cas
 `isolation` for exactly what each mechanism hides). What comes back is a string for the model,
 never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
 traceback when it fails, or a short error when it runs past a limit. When the call returns, every
-process of the program has been killed and its temporary files removed.
+process of the program has been killed and its temporary files removed. Memory and processes are
+bounded for the call as a whole by a cgroup of its own where the trainer can make one (`cgroups`),
+a seccomp filter closes kernel surface a math tool has no use for (`seccomp`), and the sandbox dies
+with the trainer (a parent-death signal; what a killed trainer leaves is removed at the next start).
 
 Calling `run_python(code)` (or a `PythonSandbox`) runs the program and waits for it; the trainer
 awaits `run_python.async_call(code)` instead (the same work, a subprocess driven by asyncio), so the
@@ -17,6 +20,7 @@ TRL's order on the training thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -25,41 +29,8 @@ import tempfile
 import threading
 import warnings
 
-from . import isolation
+from . import bounds, cgroups, isolation, launcher, seccomp
 from .isolation import BUBBLEWRAP, MECHANISMS, NAMESPACES, PROCESS
-
-# Runs in the sandboxed interpreter: sets the limits (inside the namespaces, where RLIMIT_NPROC
-# counts the program's processes only), then runs /work/main.py as `__main__`. A traceback shows
-# the program's frames, not this one.
-_LAUNCHER = """\
-import resource, sys, traceback
-cpu, memory, processes, file_size, files = map(int, sys.argv[1:6])
-for limit, soft, hard in (
-    (resource.RLIMIT_CPU, cpu, cpu + 1),
-    (resource.RLIMIT_AS, memory, memory),
-    (resource.RLIMIT_NPROC, processes, processes),
-    (resource.RLIMIT_FSIZE, file_size, file_size),
-    (resource.RLIMIT_NOFILE, files, files),
-    (resource.RLIMIT_CORE, 0, 0),
-):
-    resource.setrlimit(limit, (soft, hard))
-sys.argv = ["main.py"]
-del resource
-with open("main.py", "rb") as file:
-    source = file.read()
-try:
-    code = compile(source, "main.py", "exec")
-except (SyntaxError, ValueError) as error:
-    sys.stderr.write("".join(traceback.format_exception_only(error)))
-    sys.exit(1)
-try:
-    exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
-except SystemExit:
-    raise
-except BaseException as error:
-    traceback.print_exception(type(error), error, error.__traceback__.tb_next)
-    sys.exit(1)
-"""
 
 _FILE_SIZE = 16 * 1024**2  # the largest file the program may write
 _OPEN_FILES = 64
@@ -97,11 +68,13 @@ class PythonSandbox:
             Wall-clock time of a call, from start to finish; past it every process of the program
             is killed. Keep it below the trainer's `tool_call_timeout`.
         memory_mb (`int`, *optional*, defaults to `1024`):
-            Address space of each process (`RLIMIT_AS`), in MiB; an allocation past it raises
-            `MemoryError`.
+            Memory of the whole call, in MiB: every process, memfd, `/dev/shm` and `/work`
+            together, swap excluded (the call's cgroup, where one can be made: `bounds()` says),
+            past which the kernel kills a process of the call; and the address space of each
+            process (`RLIMIT_AS`), past which an allocation raises `MemoryError`.
         max_processes (`int`, *optional*, defaults to `16`):
             Processes and threads the program may have at once, its own included
-            (`RLIMIT_NPROC`); a fork past it fails.
+            (`RLIMIT_NPROC`, and the call's cgroup's `pids.max`); a fork past it fails.
         max_output_bytes (`int`, *optional*, defaults to `4096`):
             Bytes of output given back; the rest is counted and dropped, with a note saying so.
         work_mb (`int`, *optional*, defaults to `64`):
@@ -158,45 +131,102 @@ class PythonSandbox:
                 self._mechanism = self._detect()
             return self._mechanism
 
-    def __call__(self, code: str) -> str:
-        mechanism = self.mechanism
-        scratch = tempfile.mkdtemp(prefix="run_python-")
+    def bounds(self) -> str:
+        """What bounds a call here beyond the per-process limits: its cgroup, or why there is
+        none; and its seccomp filter, or why there is none."""
+        hierarchy, reason = _call_cgroups()
+        memory = hierarchy.describe() if hierarchy else f"no cgroup per call ({reason})"
         try:
-            return self._run(mechanism, scratch, _write_program(scratch, code))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            seccomp.compiled_filter()
+            filtered = "a seccomp filter (libseccomp)"
+        except seccomp.Unavailable as error:
+            filtered = f"no seccomp filter ({error})"
+        return f"{self.mechanism}: {memory}; {filtered}"
+
+    def __call__(self, code: str) -> str:
+        error = launcher.is_text(code)
+        if error:
+            return error
+        mechanism = self.mechanism
+        with contextlib.ExitStack() as cleanup:
+            try:
+                call = self._prepare(mechanism, code, cleanup)
+            except OSError as error:
+                return f"Error: the sandbox could not be set up ({error}); no program ran."
+            return self._run(call)
 
     async def async_call(self, code: str) -> str:
         """`self(code)` without blocking the event loop: the program is a subprocess driven by
         asyncio. What the trainer awaits, so that the calls of different rollouts run at once.
         Cancelled (by a tool timeout), it kills the program and removes its files first."""
+        error = launcher.is_text(code)
+        if error:
+            return error
         mechanism = self.mechanism  # found out once, by running a probe (blocking)
-        scratch = tempfile.mkdtemp(prefix="run_python-")
-        try:
-            return await self._run_async(mechanism, scratch, _write_program(scratch, code))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.ExitStack() as cleanup:
+            try:
+                call = self._prepare(mechanism, code, cleanup)
+            except OSError as error:
+                return f"Error: the sandbox could not be set up ({error}); no program ran."
+            return await self._run_async(call)
 
-    def _popen_arguments(self, mechanism: str, scratch: str, program: str, source) -> dict:
-        """The keyword arguments of the program's process (besides its command)."""
-        return {
+    def _prepare(self, mechanism: str, code: str, cleanup: contextlib.ExitStack) -> _Call:
+        """Everything a call needs before its program starts; `cleanup` undoes it, last first:
+        the cgroup (killing whatever is left in it), the uid, the files, the scratch folder."""
+        bounds.remove_stale_once()
+        # named after this trainer, so that a later one can remove it if this one is killed
+        scratch = tempfile.mkdtemp(prefix=f"{cgroups.PREFIX}{cgroups.owner()}-")
+        cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
+        program = _write_program(scratch, code)
+        source = cleanup.enter_context(open(program, "rb"))  # bwrap copies it from this descriptor
+        status_path = os.path.join(scratch, "status")
+        status = cleanup.enter_context(open(status_path, "wb"))
+        uid = None
+        if os.geteuid() == 0 and mechanism != PROCESS:
+            reservation = isolation.UidReservation()
+            cleanup.callback(reservation.release)
+            uid = reservation.uid
+        helpers = 0 if mechanism == PROCESS else 2  # unshare and its shell; bwrap's two
+        hierarchy, _ = _call_cgroups()
+        leaf = None
+        if hierarchy is not None:
+            leaf = hierarchy.create(self.memory_mb * 1024**2, self.max_processes + 1 + helpers)
+            cleanup.callback(leaf.remove)
+        # processes of the sandbox that count toward the program's RLIMIT_NPROC: the launcher
+        # waiting for it; in a user namespace, unshare and sh, or bwrap's PID 1
+        nproc = self.max_processes + 1
+        if os.geteuid() != 0:
+            nproc += {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
+        limits = [self.cpu_seconds, self.memory_mb * 1024**2, nproc, _FILE_SIZE, _OPEN_FILES]
+        limits += [status.fileno(), seccomp.syscall_number("keyctl")]
+        python = [isolation.interpreter(), "-I", "-S", "-c", launcher.SOURCE, *map(str, limits)]
+        python.append(_seccomp_filter().hex())
+        if mechanism == PROCESS:
+            command = python
+        elif mechanism == BUBBLEWRAP:
+            command = isolation.bubblewrap_command(source.fileno(), self.work_mb, python, uid=uid)
+        else:
+            root = os.path.join(scratch, "root")
+            os.mkdir(root)
+            command = isolation.namespace_command(root, program, self.work_mb, python, uid=uid)
+        command = isolation.first_process(command, leaf.procs_files if leaf else [])
+        environment = isolation.environment()
+        if mechanism == PROCESS:
+            environment = _process_environment(scratch)
+        popen = {
             "stdin": subprocess.DEVNULL,
             "stdout": subprocess.PIPE,
             "stderr": subprocess.STDOUT,
             "cwd": scratch,
-            "env": (
-                _process_environment(scratch) if mechanism == PROCESS else isolation.environment()
-            ),
-            "pass_fds": (source.fileno(),) if mechanism == BUBBLEWRAP else (),
+            "env": environment,
+            "pass_fds": (status.fileno(), source.fileno()),
             "start_new_session": True,  # its own process group, killed as a whole
         }
+        return _Call(command, popen, status, status_path, leaf)
 
-    async def _run_async(self, mechanism: str, scratch: str, program: str) -> str:
-        with open(program, "rb") as source:  # bwrap copies the program from this descriptor
-            process = await asyncio.create_subprocess_exec(
-                *self._command(mechanism, scratch, program, source.fileno()),
-                **self._popen_arguments(mechanism, scratch, program, source),
-            )
+    async def _run_async(self, call: _Call) -> str:
+        process = await asyncio.create_subprocess_exec(*call.command, **call.popen)
+        call.status.close()  # the launcher's copy is the only one left
         output = _Output(self.max_output_bytes)
         reader = asyncio.ensure_future(output.read_async(process.stdout))
         timed_out = False
@@ -212,63 +242,67 @@ class PythonSandbox:
             _, pending = await asyncio.wait({reader}, timeout=1.0)
             for task in pending:
                 task.cancel()
-        return self._report(output, process.returncode, timed_out)
+        return self._report(output, process.returncode, timed_out, call)
 
-    def _command(self, mechanism: str, scratch: str, program: str, program_fd: int) -> list[str]:
-        """The command of one call, run in `scratch`; `program_fd` is `program` open to read."""
-        # processes of the sandbox that count toward the program's RLIMIT_NPROC in a user
-        # namespace: unshare and sh; bwrap's PID 1
-        helpers = {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
-        processes = self.max_processes + (0 if os.geteuid() == 0 else helpers)
-        limits = [self.cpu_seconds, self.memory_mb * 1024**2, processes, _FILE_SIZE, _OPEN_FILES]
-        python = [isolation.interpreter(), "-I", "-S", "-c", _LAUNCHER, *map(str, limits)]
-        if mechanism == PROCESS:
-            return python
-        if mechanism == BUBBLEWRAP:
-            return isolation.bubblewrap_command(program_fd, self.work_mb, python)
-        root = os.path.join(scratch, "root")
-        os.mkdir(root)
-        return isolation.namespace_command(root, program, self.work_mb, python)
-
-    def _run(self, mechanism: str, scratch: str, program: str) -> str:
-        with open(program, "rb") as source:  # bwrap copies the program from this descriptor
-            process = subprocess.Popen(
-                self._command(mechanism, scratch, program, source.fileno()),
-                **self._popen_arguments(mechanism, scratch, program, source),
-            )
+    def _run(self, call: _Call) -> str:
+        process = subprocess.Popen(call.command, **call.popen)
+        call.status.close()  # the launcher's copy is the only one left
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
-        timed_out = False
+        # a timer kills it at the wall-clock limit: `wait(timeout)` would poll, adding up to 50 ms
+        expired = threading.Event()
+        timer = threading.Timer(
+            self.wall_seconds, lambda: (expired.set(), _kill_group(process.pid))
+        )
+        timer.start()
         try:
-            process.wait(timeout=self.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            process.wait()
         finally:
+            timer.cancel()
+            timed_out = expired.is_set()
             _kill_group(process.pid)
             process.wait()
             # The pipe ends when the last process holding it dies: at once with namespaces (the
-            # PID namespace dies with its first process); without them, a program that left its
-            # process group keeps it open, and its reader thread is left to end with it.
+            # PID namespace dies with its first process) or a cgroup (killed as a whole below);
+            # otherwise a program that left its process group keeps it open, and its reader
+            # thread is left to end with it.
+            if call.leaf is not None and reader.is_alive():
+                call.leaf.kill()
             reader.join(timeout=1.0)
             if not reader.is_alive():
                 process.stdout.close()
-        return self._report(output, process.returncode, timed_out)
+        return self._report(output, process.returncode, timed_out, call)
 
-    def _report(self, output: _Output, returncode: int, timed_out: bool) -> str:
+    def _report(self, output: _Output, returncode: int, timed_out: bool, call: _Call) -> str:
         text = output.text()
+        # the launcher's status is exact; without it (the launcher was killed, or never ran), a
+        # shell or bwrap in between reports a death by signal N as 128 + N
+        status = launcher.read_status(call.status_path)
+        if status is None and returncode > 128 and returncode != launcher.SETUP_FAILED:
+            status = 128 - returncode
+        elif status is None:
+            status = returncode
         if timed_out:
             note = (
                 f"Error: the program ran past the time limit of {self.wall_seconds:g} s and was "
                 "stopped."
             )
-        elif returncode < 0 or returncode > 128:
-            number = -returncode if returncode < 0 else returncode - 128
-            note = f"Error: the program was killed by {_signal_name(number)}{self._cause(number)}."
-        elif returncode not in (0, 1):  # 1: an uncaught exception, whose traceback is the text
-            note = f"Exit status {returncode}."
+        elif status is None or returncode == launcher.SETUP_FAILED:
+            note = "Error: the sandbox could not be set up; no program ran."
+        elif status < 0:
+            memory = call.leaf is not None and call.leaf.oom_killed()
+            note = f"Error: the program was killed by {_signal_name(-status)}"
+            note += f"{self._cause(-status, memory)}."
+        elif status not in (0, 1):  # 1: an uncaught exception, whose traceback is the text
+            note = f"Exit status {status}."
         else:
             note = ""
+        if note == "" and call.leaf is not None and call.leaf.oom_killed():
+            note = (
+                "Error: a process of the program was killed at the memory limit of "
+                f"{self.memory_mb} MiB for the whole call."
+            )
         if output.dropped:
             text += (
                 f"\n[output truncated: {output.total} bytes, the first {self.max_output_bytes} "
@@ -276,7 +310,9 @@ class PythonSandbox:
             )
         return "\n".join(part for part in (text, note) if part) or "(no output)"
 
-    def _cause(self, number: int) -> str:
+    def _cause(self, number: int, memory: bool) -> str:
+        if memory:
+            return f" (memory limit of {self.memory_mb} MiB for the whole call)"
         if number == signal.SIGXCPU:
             return f" (CPU time limit of {self.cpu_seconds} s)"
         if number == signal.SIGXFSZ:
@@ -301,20 +337,17 @@ class PythonSandbox:
             if result == "42":
                 return BUBBLEWRAP
             reasons.append(f"bubblewrap cannot make them here ({result.strip()[-300:]})")
-        message = fallback_warning("; ".join(reasons))
         with _default_lock:
-            if message not in _warned:  # once per process, whatever the number of sandboxes
-                _warned.add(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
+            _warn(fallback_warning("; ".join(reasons)))
         return PROCESS
 
     def _probe(self, mechanism: str) -> str:
         """What `print(6 * 7)` gives back under `mechanism`."""
-        scratch = tempfile.mkdtemp(prefix="run_python-")
-        try:
-            return self._run(mechanism, scratch, _write_program(scratch, "print(6 * 7)"))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.ExitStack() as cleanup:
+            try:
+                return self._run(self._prepare(mechanism, "print(6 * 7)", cleanup))
+            except OSError as error:
+                return str(error)
 
 
 def fallback_warning(reason: str) -> str:
@@ -389,6 +422,41 @@ def _signal_name(number: int) -> str:
 
 def _process_environment(cwd: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
+
+
+class _Call:
+    """One call, prepared: its command and `Popen` arguments, the launcher's status file (open for
+    the launcher to inherit) and the call's cgroup (None where there is none)."""
+
+    def __init__(self, command, popen, status, status_path, leaf) -> None:
+        self.command, self.popen, self.leaf = command, popen, leaf
+        self.status, self.status_path = status, status_path
+
+
+def _call_cgroups() -> tuple[cgroups.Hierarchy | None, str]:
+    """`bounds.call_cgroups()`, with a warning (once) that says which bounds hold without one."""
+    hierarchy, reason = bounds.call_cgroups()
+    if hierarchy is None:
+        with _default_lock:
+            _warn(bounds.without_cgroups(reason))
+    return hierarchy, reason
+
+
+def _seccomp_filter() -> bytes:
+    """The compiled seccomp filter, or b"" with a warning (once) that says what is not refused."""
+    try:
+        return seccomp.compiled_filter()
+    except seccomp.Unavailable as error:
+        with _default_lock:
+            _warn(bounds.without_filter(str(error)))
+        return b""
+
+
+def _warn(message: str) -> None:
+    """Warns once per process, whatever the number of sandboxes (the caller holds the lock)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 _default: PythonSandbox | None = None

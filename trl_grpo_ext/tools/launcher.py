@@ -1,0 +1,113 @@
+"""The first Python code of every `run_python` call, run inside the sandbox (`python -I -S -c`).
+
+In order, before the program's first line:
+1. joins a new, empty session keyring, so no key of the trainer's session (or, through it, of its
+   user's keyring) can be reached even where no seccomp filter is loaded;
+2. sets the resource limits (inside the namespaces, where `RLIMIT_NPROC` counts the program's
+   processes only);
+3. loads the seccomp filter (`seccomp.compiled_filter`), after `PR_SET_NO_NEW_PRIVS`; if the
+   kernel refuses it, the call ends with an error rather than running unfiltered;
+4. forks: the child, killed if the launcher dies (a parent-death signal: the launcher dies with
+   the trainer), runs `/work/main.py` as `__main__` (a traceback shows the program's frames
+   only); the parent waits for it and writes its exit code, or minus the signal that killed it, to
+   the status descriptor. A shell or `bwrap` between the trainer and the program reports a death by
+   signal N as the exit status 128 + N, the same as `sys.exit(128 + N)`; the status tells them
+   apart.
+"""
+
+from __future__ import annotations
+
+# Exit status of the launcher when the sandbox could not be set up (no program ran).
+SETUP_FAILED = 125
+
+SOURCE = """\
+import ctypes, os, resource, sys
+cpu, memory, processes, file_size, files, status, keyctl = map(int, sys.argv[1:8])
+bpf = bytes.fromhex(sys.argv[8])
+libc = ctypes.CDLL(None, use_errno=True)
+if keyctl >= 0:  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous session keyring
+    libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), ctypes.c_void_p(0))
+for limit, soft, hard in (
+    (resource.RLIMIT_CPU, cpu, cpu + 1),
+    (resource.RLIMIT_AS, memory, memory),
+    (resource.RLIMIT_NPROC, processes, processes),
+    (resource.RLIMIT_FSIZE, file_size, file_size),
+    (resource.RLIMIT_NOFILE, files, files),
+    (resource.RLIMIT_CORE, 0, 0),
+):
+    resource.setrlimit(limit, (soft, hard))
+if bpf:
+    class FilterProgram(ctypes.Structure):
+        _fields_ = [("length", ctypes.c_ushort), ("instructions", ctypes.c_char_p)]
+    program = FilterProgram(len(bpf) // 8, bpf)
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(program), 0, 0):
+        sys.stderr.write(
+            "Error: the sandbox could not load its seccomp filter "
+            f"({os.strerror(ctypes.get_errno())}); no program ran.\\n"
+        )
+        os._exit(SETUP_FAILED)
+del resource, bpf
+# SIGKILL when its parent dies: the trainer itself in the process fallback (also where no
+# `setpriv` set it), else the sandbox's first process, which dies with the trainer
+libc.prctl(1, 9, 0, 0, 0)
+launcher = os.getpid()
+child = os.fork()
+if child:
+    while True:
+        try:
+            code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+            break
+        except ChildProcessError:
+            os._exit(0)
+        except InterruptedError:
+            pass
+    os.write(status, str(code).encode())
+    os._exit(0)
+os.close(status)
+libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the launcher dies
+if os.getppid() != launcher:
+    os._exit(0)
+del ctypes, libc, launcher, child
+sys.argv = ["main.py"]
+with open("main.py", "rb") as file:
+    source = file.read()
+try:
+    code = compile(source, "main.py", "exec")
+except (SyntaxError, ValueError) as error:
+    import traceback  # only when needed: it takes longer to import than the rest
+    sys.stderr.write("".join(traceback.format_exception_only(error)))
+    sys.exit(1)
+try:
+    exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as error:
+    import traceback
+    traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+    sys.exit(1)
+""".replace("SETUP_FAILED", str(SETUP_FAILED))
+
+
+def read_status(path: str) -> int | None:
+    """The program's exit code (minus the signal's number when a signal killed it) written by the
+    launcher, or None when it wrote none (it was killed itself, or never started)."""
+    try:
+        with open(path, "rb") as file:
+            return int(file.read())
+    except (OSError, ValueError):
+        return None
+
+
+def is_text(code) -> str | None:
+    """None when `code` is a program text; else what is wrong with it, as an error message."""
+    if not isinstance(code, str):
+        return f"Error: the code must be text (a string), got {type(code).__name__}."
+    try:
+        code.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (
+            f"Error: the code is not valid text: {error.reason} at position {error.start} "
+            f"({code[error.start]!r}); send the program as plain UTF-8 text."
+        )
+    return None
