@@ -174,7 +174,9 @@ def table(timers: dict[str, PhaseTimer]) -> str:
             for n in timers
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| s per step | " + " | ".join(f"{sums[n]['per step']:.2f}" for n in timers) + " |")
+    lines.append(
+        "| s per step | " + " | ".join(f"{sums[n]['per step']:.2f}" for n in timers) + " |"
+    )
     return "\n".join(lines)
 
 

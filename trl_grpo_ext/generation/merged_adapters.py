@@ -55,12 +55,15 @@ def why_not_merged(model, layers: list) -> str | None:
     for layer in layers:
         base = getattr(layer, "base_layer", None)
         if not isinstance(layer, LoraLinear) or type(base) is not torch.nn.Linear:
-            return f"{type(layer).__name__} over {type(base).__name__} is not plain LoRA on nn.Linear"
+            return (
+                f"{type(layer).__name__} over {type(base).__name__} is not plain LoRA on nn.Linear"
+            )
         if any(name in layer.lora_variant for name in layer.active_adapters):
             return "an adapter is a LoRA variant (DoRA, ...)"
         weight = base.weight
-        if type(weight.data) is not torch.Tensor or weight.numel() == 0:
-            return "the base weights are sharded or partitioned"
+        partitioned = hasattr(weight, "ds_id") or weight.untyped_storage().size() == 0
+        if type(weight.data) is not torch.Tensor or weight.numel() == 0 or partitioned:
+            return "the base weights are sharded or partitioned (FSDP, DeepSpeed ZeRO-3)"
         if weight.dtype not in MERGEABLE_DTYPES:
             return (
                 f"the base weights are {weight.dtype}, where W + BA rounds away most of the "
