@@ -36,11 +36,8 @@ def _non_zero_adapters(model, seed: int = 0) -> None:
                 parameter.copy_(1e-3 * torch.randn(parameter.shape, generator=generator))
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     import torch
-    from transformers import TrainerCallback
-
-    from trl_grpo_ext.generation.transformers_engine import seeded
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
@@ -50,7 +47,16 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}[args.model]()
-    spec = {**_common.DEFAULTS, "model_dir": model_dir, "output_dir": tempfile.mkdtemp()}
+    with tempfile.TemporaryDirectory(prefix="merged-sampling-") as output_dir:
+        spec = {**_common.DEFAULTS, "model_dir": model_dir, "output_dir": output_dir}
+        return _compare(spec, args.model, args.repeats)
+
+
+def _compare(spec: dict, model_name: str, repeats: int) -> dict:
+    from transformers import TrainerCallback
+
+    from trl_grpo_ext.generation.transformers_engine import seeded
+
     dataset = _common.prompt_dataset(spec["num_prompts"], spec["difficulty"], True)
     rows = [dataset[i] for i in range(spec["num_prompts"])]
     ours = _common._build_trainer({**spec, "trainer": "ours"}, dataset, TrainerCallback())
@@ -83,13 +89,13 @@ def main(argv=None) -> None:
         run(-1)
     seconds = {name: [] for name in runs}
     tokens = {name: [] for name in runs}
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for name, run in runs.items():
             started = time.perf_counter()
             tokens[name].append(run(repeat))
             seconds[name].append(time.perf_counter() - started)
     per_1k = {name: 1000 * sum(seconds[name]) / sum(tokens[name]) for name in runs}
-    print(f"| {args.model}: sampling | s per batch (median) | tokens per batch | s per 1k tokens |")
+    print(f"| {model_name}: sampling | s per batch (median) | tokens per batch | s per 1k tokens |")
     print("|---|---:|---:|---:|")
     for name in runs:
         print(
@@ -103,6 +109,7 @@ def main(argv=None) -> None:
         f"ours/TRL: merged {merged / theirs:.2f}, "
         f"unmerged {unmerged / theirs:.2f} (s per 1k tokens)"
     )
+    return {"seconds": seconds, "tokens": tokens, "s_per_1k_tokens": per_1k}
 
 
 def _up_to_eos(ids, eos: set) -> int:

@@ -180,32 +180,41 @@ def table(timers: dict[str, PhaseTimer]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict[str, PhaseTimer]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--trl", action="store_true", help="also split TRL's step")
+    parser.add_argument(
+        "--reward",
+        default="shaped",
+        choices=sorted(_common.REWARDS),
+        help="shaped (vs_trl.py's) or binary (most groups then carry no learning signal)",
+    )
     args = parser.parse_args(argv)
     model_dir = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}[args.model]()
-    spec = {
-        "model_dir": model_dir,
-        "output_dir": tempfile.mkdtemp(prefix="profile-step-"),
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "threads": args.threads,
-    }
-    timers = {"ours": profile(spec, "ours")}
-    ours = timers["ours"]
-    print(
-        f"micro-batches: {ours.counts['micro-batches']}, "
-        f"without signal: {ours.counts['without signal']}",
-        flush=True,
-    )
-    if args.trl:
-        timers["TRL"] = profile(spec, "trl")
+    with tempfile.TemporaryDirectory(prefix="profile-step-") as output_dir:
+        spec = {
+            "model_dir": model_dir,
+            "output_dir": output_dir,
+            "steps": args.steps,
+            "warmup_steps": args.warmup_steps,
+            "threads": args.threads,
+            "reward": args.reward,
+        }
+        timers = {"ours": profile(spec, "ours")}
+        ours = timers["ours"]
+        print(
+            f"micro-batches: {ours.counts['micro-batches']}, "
+            f"without signal: {ours.counts['without signal']}",
+            flush=True,
+        )
+        if args.trl:
+            timers["TRL"] = profile(spec, "trl")
     print(table(timers))
+    return timers
 
 
 if __name__ == "__main__":
