@@ -171,6 +171,15 @@ def sum_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
+def correct_reward(completions, answer, **kwargs) -> list[float]:
+    """1 when the completion's last number is the answer, else 0: a binary reward, under which
+    most groups of a small model have no learning signal (all rewards equal)."""
+    return [float(value >= 1.0) for value in sum_reward(completions, answer)]
+
+
+REWARDS = {"shaped": sum_reward, "binary": correct_reward}
+
+
 # ---------------------------------------------------------------------------- the worker
 
 
@@ -292,7 +301,7 @@ def _build_trainer(spec: dict, dataset, timer):
         trainer_class = GRPOTrainer
     return trainer_class(
         model=spec["model_dir"],
-        reward_funcs=sum_reward,
+        reward_funcs=REWARDS[spec.get("reward", "shaped")],
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

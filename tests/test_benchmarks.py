@@ -155,3 +155,21 @@ def test_tool_latency_benchmark_trains_sync_and_async_on_a_model_that_calls_the_
         (run,) = runs
         assert len(run["steps"]) == 2 and all(0 <= s["reward"] <= 1 for s in run["steps"])
     assert "| k=1 |" in capsys.readouterr().out
+
+
+def test_profile_step_splits_a_step_of_each_trainer(capsys):
+    timers = load("profile_step").main(["--model", "tiny", "--steps", "1", "--trl"])
+    for name in ("ours", "TRL"):
+        (warmup, measured) = timers[name].steps
+        assert measured["sampling"] > 0 and measured["backward"] > 0
+        phases = sum(measured.get(key, 0.0) for key in load("profile_step").TOP_LEVEL)
+        assert phases <= measured["step"]  # the phases are parts of the step
+    assert timers["ours"].counts["micro-batches"] == 2 * 4  # 32 completions in batches of 8
+    table = capsys.readouterr().out
+    assert "| sampling (generate) |" in table and "| other (loop" in table
+
+
+def test_merged_sampling_draws_the_same_tokens_as_unmerged(capsys):
+    report = load("merged_sampling").main(["--model", "tiny", "--repeats", "1"])
+    assert report["tokens"]["ours, merged"] == report["tokens"]["ours, unmerged"]
+    assert "same tokens sampled: True" in capsys.readouterr().out

@@ -1,0 +1,179 @@
+"""Sampling with the LoRA adapters merged into the base weights (`generation.merged_adapters`):
+the same tokens and log-probs as the adapters unmerged, the base weights the same bits after,
+and no merge where it would not be exact enough."""
+
+import logging
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+
+from trl_grpo_ext.generation import PromptEncoder
+from trl_grpo_ext.generation.merged_adapters import merged_lora
+from trl_grpo_ext.generation.transformers_engine import (
+    TransformersEngine,
+    generate_with_transformers,
+    seeded,
+)
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+PROMPTS = ["1+2=", "10+17=", "3+3=?"]
+
+
+def lora_model(dtype=torch.float32, seed=0, **lora_kwargs):
+    """The tiny model with LoRA on all linear layers, its B matrices random (not PEFT's zeros),
+    so that the adapters change every layer's output."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=seed)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", **lora_kwargs
+    )
+    model = get_peft_model(model.to(dtype), config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
+    return model.eval(), tokenizer
+
+
+def sample(model, tokenizer, seed=0, merge=None):
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=12,
+        num_return_sequences=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+    with merge if merge is not None else torch.no_grad(), seeded(seed):
+        _, _, completion_ids, logps = generate_with_transformers(
+            model, prompt_ids, prompt_mask, generation_config=config, return_logprobs=True
+        )
+    return completion_ids, logps
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def test_merged_sampling_draws_the_same_tokens_and_log_probs():
+    model, tokenizer = lora_model()
+    before = base_weights(model)
+    unmerged_ids, unmerged_logps = sample(model, tokenizer)
+    merge = merged_lora(model)
+    merged_ids, merged_logps = sample(model, tokenizer, merge=merge)
+
+    assert torch.equal(merged_ids, unmerged_ids)
+    torch.testing.assert_close(merged_logps, unmerged_logps, atol=1e-5, rtol=1e-5)
+    # The adapters matter here: without them, other log-probs.
+    with model.disable_adapter():
+        base_ids, base_logps = sample(model, tokenizer)
+    assert not torch.allclose(base_logps, unmerged_logps, atol=1e-2)
+    # The base weights are the same bits afterwards, and the layers unmerged again.
+    after = base_weights(model)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    assert torch.equal(sample(model, tokenizer)[1], unmerged_logps)
+
+
+def test_inside_the_block_the_layers_use_the_merged_weights():
+    model, _ = lora_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    original = layer.base_layer.weight.detach().clone()
+    x = torch.randn(3, original.shape[1])
+    expected = layer(x)
+    with merged_lora(model) as merged:
+        assert merged
+        want = original + layer.get_delta_weight("default")
+        assert torch.equal(layer.base_layer.weight, want)  # W + s B A, out of place
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.base_layer.weight, original)
+
+
+def test_an_error_while_sampling_still_restores_the_base_weights():
+    model, _ = lora_model()
+    before = base_weights(model)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        with merged_lora(model):
+            raise RuntimeError("sampling failed")
+    after = base_weights(model)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "dtype, lora_kwargs, reason",
+    [
+        (torch.bfloat16, {}, "bfloat16"),
+        (torch.float32, {"use_dora": True}, "variant"),
+    ],
+)
+def test_no_merge_where_it_is_not_exact_enough(dtype, lora_kwargs, reason, caplog):
+    model, _ = lora_model(dtype, **lora_kwargs)
+    before = base_weights(model)
+    with caplog.at_level(logging.INFO, logger="trl_grpo_ext.generation.merged_adapters"):
+        with merged_lora(model) as merged:
+            assert not merged
+            layer = model.base_model.model.model.layers[0].self_attn.q_proj
+            assert not layer.merged
+    assert "unmerged" in caplog.text and reason in caplog.text
+    after = base_weights(model)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_quantized_models_sample_unmerged(caplog):
+    model, _ = lora_model()
+    model.is_loaded_in_4bit = True  # as transformers marks a bitsandbytes 4-bit model
+    with caplog.at_level(logging.INFO, logger="trl_grpo_ext.generation.merged_adapters"):
+        with merged_lora(model) as merged:
+            assert not merged
+    assert "4-bit or 8-bit" in caplog.text
+
+
+def test_a_model_without_adapters_is_left_alone():
+    model, _ = tiny_model_and_tokenizer(seed=0)
+    with merged_lora(model) as merged:
+        assert not merged
+
+
+def test_the_transformers_engine_samples_merged_with_the_same_tokens(caplog):
+    model, tokenizer = lora_model()
+    before = base_weights(model)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=12,
+        num_return_sequences=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+    seen = []
+
+    class Policy:
+        def __call__(self):
+            return self
+
+        def __enter__(self):
+            return model
+
+        def __exit__(self, *exc):
+            return False
+
+    original_forward = model.base_model.model.model.layers[0].self_attn.q_proj.forward
+
+    def spy(*args, **kwargs):
+        seen.append(model.base_model.model.model.layers[0].self_attn.q_proj.merged)
+        return original_forward(*args, **kwargs)
+
+    model.base_model.model.model.layers[0].self_attn.q_proj.forward = spy
+    merged = TransformersEngine(Policy()).generate(prompt_ids, prompt_mask, config, seed=3)
+    unmerged = TransformersEngine(Policy(), merge_adapters=False).generate(
+        prompt_ids, prompt_mask, config, seed=3
+    )
+    assert seen and all(seen[: len(seen) // 2]) and not any(seen[len(seen) // 2 :])
+    assert torch.equal(merged[2], unmerged[2])
+    after = base_weights(model)
+    assert all(torch.equal(after[name], before[name]) for name in before)

@@ -1,0 +1,112 @@
+"""Sampling from LoRA weights merged into the base layers, and restoring the base weights bit
+for bit afterwards.
+
+A LoRA layer computes `x W^T + s (x A^T) B^T`: each decoding step runs three matmuls and the
+adapter's Python per layer. With `W' = W + s B A` it is one matmul, `x W'^T`, the same numbers
+up to float rounding. `merged_lora(model)` builds `W'` next to `W` for every LoRA layer of the
+block (out of place: `W` itself is never written, so the trained-on base weights after the block
+are the same bits as before it, which an in-place merge and unmerge, `(W + d) - d`, does not
+promise) and marks the layer merged, so that PEFT's forward calls the base layer alone.
+
+It merges only where the merge is exact enough, and otherwise samples from the adapters as they
+are, saying why once:
+- float32 (or float64) weights: `W + s B A` rounds each weight by at most half a unit in the
+  last place, about 6e-8 relative, far below the update an optimizer step makes; sampled tokens
+  and their log-probs match the unmerged adapters (tests/test_merged_adapters.py). In bfloat16
+  or float16 that rounding (up to 2e-3 or 2.5e-4 of each weight) is as large as an adapter's
+  update early in training, and how far it moves the sampled tokens' log-probs has not been
+  measured yet, so the adapters stay unmerged there.
+- not quantized: a 4-bit or 8-bit base layer cannot hold `W + s B A` (QLoRA samples unmerged);
+- plain LoRA on `nn.Linear` layers only (no DoRA or other variants, no sharded or partitioned
+  weights).
+
+Memory: the merged copies of the adapted weights exist during sampling only, next to the base
+weights (the size of the adapted layers again).
+
+The log-probs of a sampling pass with merged weights are those of the merged weights, so the
+behaviour log-probs an engine returns stay those of the weights that sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MERGEABLE_DTYPES = (torch.float32, torch.float64)
+
+
+def lora_layers(model) -> list:
+    """The LoRA layers of a PEFT model (`peft.tuners.lora.LoraLayer`), empty for any other."""
+    if not hasattr(model, "peft_config"):
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    return [module for module in model.modules() if isinstance(module, LoraLayer)]
+
+
+def why_not_merged(model, layers: list) -> str | None:
+    """Why the LoRA `layers` of `model` are sampled unmerged, or None when they can be merged."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        return "the base model is loaded in 4-bit or 8-bit"
+    for layer in layers:
+        base = getattr(layer, "base_layer", None)
+        if not isinstance(layer, LoraLinear) or type(base) is not torch.nn.Linear:
+            return (
+                f"{type(layer).__name__} over {type(base).__name__} is not plain LoRA on nn.Linear"
+            )
+        if any(name in layer.lora_variant for name in layer.active_adapters):
+            return "an adapter is a LoRA variant (DoRA, ...)"
+        weight = base.weight
+        partitioned = hasattr(weight, "ds_id") or weight.untyped_storage().size() == 0
+        if type(weight.data) is not torch.Tensor or weight.numel() == 0 or partitioned:
+            return "the base weights are sharded or partitioned (FSDP, DeepSpeed ZeRO-3)"
+        if weight.dtype not in MERGEABLE_DTYPES:
+            return (
+                f"the base weights are {weight.dtype}, where rounding W + BA to that precision "
+                "moves each weight by as much as an early adapter update"
+            )
+        if getattr(layer, "merged", False):
+            return "the adapters are merged already"
+    return None
+
+
+@contextlib.contextmanager
+def merged_lora(model, log_reason: bool = True):
+    """A block in which every active LoRA adapter of `model` is merged into its base layer.
+
+    Yields True when the adapters are merged, False when the block runs unmerged (no LoRA
+    layers, or `why_not_merged` gives a reason, logged at INFO level when `log_reason`).
+    Afterwards each base layer holds its original weight tensor again, untouched.
+    """
+    layers = lora_layers(model)
+    reason = why_not_merged(model, layers) if layers else "no LoRA layers"
+    if reason is not None:
+        if layers and log_reason:
+            logger.info("Sampling with the LoRA adapters unmerged: %s.", reason)
+        yield False
+        return
+    saved = []  # (layer, base weight tensor, merged adapter names before)
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                active = [name for name in layer.active_adapters if name in layer.lora_A]
+                if not active:
+                    continue
+                weight = layer.base_layer.weight
+                merged = weight.data.clone()
+                for name in active:
+                    merged += layer.get_delta_weight(name).to(merged.dtype)
+                saved.append((layer, weight.data, list(layer.merged_adapters)))
+                weight.data = merged
+                layer.merged_adapters = active  # PEFT's forward now calls the base layer alone
+        yield True
+    finally:
+        for layer, original, merged_adapters in saved:
+            layer.base_layer.weight.data = original
+            layer.merged_adapters = merged_adapters
