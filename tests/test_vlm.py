@@ -1,10 +1,17 @@
 """Vision-language GRPO (issue 28): the tiny VLM built in code, the errors that keep a dataset
 with images from training on its text alone, and images through the transformers engine."""
 
+import pytest
 import torch
+from datasets import Dataset
+from peft import LoraConfig
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+from trl_grpo_ext.checkpoints import rollout_state_paths
+from trl_grpo_ext.generation.images import images_unsupported, model_inputs, per_sample
 from trl_grpo_ext.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, tiny_vlm_and_processor
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
@@ -55,3 +62,247 @@ def test_tiny_vlm_sees_the_image_and_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
     generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert generated.shape[1] <= inputs["input_ids"].shape[1] + 3
+
+
+# ------------------------------------------------------------------ the trainer with images
+
+COLORS = {"red": RED, "blue": BLUE}
+
+
+def color_rows(prompt_text="Which color?", column="image", repeat=2):
+    """Conversational prompts with one image each, TRL's format: the image in a column."""
+    rows = []
+    for name, color in COLORS.items():
+        value = image(color) if column == "image" else [image(color)]
+        rows.append({"prompt": [{"role": "user", "content": prompt_text}], column: value})
+        rows[-1]["answer"] = name
+    return Dataset.from_list(rows * repeat)
+
+
+def vlm_trainer(output_dir, dataset=None, processing_class="processor", **config):
+    model, processor = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+    if processing_class == "processor":
+        processing_class = processor
+    elif processing_class == "tokenizer":
+        processing_class = processor.tokenizer
+    reward_funcs = config.pop("reward_funcs", odd_first_byte_of_message)
+    trainer_kwargs = {k: config.pop(k) for k in ("tools", "rollout_func") if k in config}
+    defaults = dict(
+        output_dir=str(output_dir),
+        num_generations=4,
+        max_completion_length=3,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return GroupRelativeTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=GroupRelativeConfig(**{**defaults, **config}),
+        train_dataset=color_rows() if dataset is None else dataset,
+        processing_class=processing_class,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        **trainer_kwargs,
+    )
+
+
+def odd_first_byte_of_message(completions, **kwargs):
+    """1.0 when the completion's first character has an odd code point: a signal in most
+    groups of a random model."""
+    texts = [completion[0]["content"] for completion in completions]
+    return [float(ord(text[0]) % 2) if text else 0.0 for text in texts]
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        pytest.param(lambda: color_rows(), id="image-column"),
+        pytest.param(lambda: color_rows(column="images"), id="images-column"),
+        pytest.param(
+            lambda: Dataset.from_list(
+                [
+                    {
+                        "prompt": [
+                            {"role": "user", "content": [{"type": "image", "image": image(RED)}]}
+                        ]
+                    }
+                ]
+            ),
+            id="image-parts",
+        ),
+    ],
+)
+def test_images_with_a_tokenizer_are_an_error_not_text_only_training(tmp_path, dataset):
+    """Given the processor's tokenizer, the trainer would train on the text alone: it says to
+    pass the processor instead."""
+    with pytest.raises(ValueError, match=r"train on the text alone.*AutoProcessor"):
+        vlm_trainer(tmp_path, dataset(), processing_class="tokenizer")
+
+
+def shout(text: str) -> str:
+    """Upper-cases text.
+
+    Args:
+        text: the text.
+    """
+    return text.upper()
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"max_staleness": 1}, "max_staleness"),
+        ({"tools": [shout]}, "tools or environment_factory"),
+        ({"rollout_func": lambda prompts, trainer: {}}, "rollout_func does not receive images"),
+    ],
+    ids=["max_staleness", "tools", "rollout_func"],
+)
+def test_paths_that_do_not_carry_images_yet_are_errors(tmp_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        vlm_trainer(tmp_path, **config)
+
+
+def test_use_vllm_with_images_is_an_error():
+    """vLLM is not installed here: the check itself, as the constructor runs it."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(use_vllm=True, max_staleness=None)
+    assert "use_vllm=True" in images_unsupported(args)
+    assert images_unsupported(SimpleNamespace(use_vllm=False, max_staleness=None)) is None
+
+
+def test_image_prompts_must_be_conversational(tmp_path):
+    dataset = Dataset.from_list([{"prompt": "Which color?", "image": image(RED)}])
+    with pytest.raises(ValueError, match="must be conversational"):
+        vlm_trainer(tmp_path, dataset)
+
+
+def test_a_processor_no_longer_fails_at_construction_and_trains_on_text(tmp_path):
+    """TRL's error case: a `LlavaProcessor` as processing_class, with a text-only dataset."""
+    text = Dataset.from_list([{"prompt": [{"role": "user", "content": "Hi"}]}] * 2)
+    trainer = vlm_trainer(tmp_path, text, max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_images_ride_along_per_completion(tmp_path):
+    """Each completion's prompt ids hold its image's expanded tokens; its pixel values are its
+    own image's; the image token is suppressed and never sampled; rewards receive the image
+    column and the prompts with their image parts."""
+    seen = {}
+
+    def reward(prompts, completions, image, answer, **kwargs):
+        seen.update(prompts=prompts, image=image, answer=answer)
+        return [0.0] * len(completions)
+
+    trainer = vlm_trainer(tmp_path, reward_funcs=reward)
+    processor = trainer.processing_class
+    rows = [trainer.train_dataset[0], trainer.train_dataset[1]]  # red, blue
+    rollout = trainer.generate_rollouts(rows)
+    assert trainer.rollouts.generation_config.suppress_tokens == [processor.image_token_id]
+    assert not (rollout.completion_ids == processor.image_token_id).any()
+    assert ((rollout.prompt_ids == processor.image_token_id).sum(1) == 4).all()
+    pixel_values = rollout.image_inputs["pixel_values"]  # (N, 1, 3, 16, 16)
+    assert pixel_values.shape == (8, 1, 3, 16, 16)
+    assert rollout.image_inputs["pixel_values:count"].tolist() == [1] * 8
+    for row, color in zip((0, 4), ("red", "blue")):
+        expected = processor.image_processor(images=[image(COLORS[color])], return_tensors="pt")
+        assert torch.equal(
+            pixel_values[row : row + 4, 0], expected["pixel_values"].expand(4, -1, -1, -1)
+        )
+    trainer.score_rollouts(rollout)
+    assert seen["answer"] == ["red"] * 4 + ["blue"] * 4
+    assert all(isinstance(value, Image.Image) for value in seen["image"])
+    assert seen["prompts"][0][0]["content"][0]["type"] == "image"
+
+
+def test_the_vision_tower_runs_in_generation_and_in_every_training_forward_pass(tmp_path):
+    """2 steps, each one generation batch (2 prompts x 4 completions) in 2 micro-batches of 4:
+    the vision tower runs once per generation (the prompts' pass, in eval mode) and in each of
+    the 4 training forward passes, each time on exactly its rows' images."""
+    trainer = vlm_trainer(tmp_path, gradient_accumulation_steps=2, max_steps=2)
+    calls = []
+
+    def record(module, args, kwargs, output):
+        pixel_values = kwargs.get("pixel_values", args[0] if args else None)
+        calls.append((module.training, pixel_values.shape[0]))
+
+    vision = trainer.model.get_base_model().model.vision_tower
+    vision.register_forward_hook(record, with_kwargs=True)
+    before = {n: p.detach().clone() for n, p in vision.named_parameters()}
+    trainer.train()
+    # generation: 2 prompts, one image each; training: 4 completions per micro-batch
+    assert calls == [(False, 2), (True, 4), (True, 4)] * 2
+    assert not any(p.requires_grad for p in vision.parameters())
+    assert all(torch.equal(before[n], p) for n, p in vision.named_parameters())
+
+
+def test_lora_goes_on_the_language_model_only(tmp_path):
+    trainer = vlm_trainer(tmp_path)
+    trainable = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("language_model" in name for name in trainable)
+    assert any("language_model.layers.0.mlp.down_proj.lora_A" in name for name in trainable)
+
+
+def test_training_with_images_updates_the_adapters_and_evaluates(tmp_path):
+    trainer = vlm_trainer(tmp_path, max_steps=3)
+    trainer.train()
+    assert any(entry.get("grad_norm", 0) > 0 for entry in trainer.state.log_history)
+    metrics = trainer.evaluate(color_rows(repeat=1))
+    assert "eval_reward" in metrics
+
+
+def test_resume_inside_a_generation_window_with_images_is_bit_identical(tmp_path):
+    """The buffered micro-batches, pixel values included, go into the checkpoint: resumed from
+    step 1 (inside a window of 2 steps), the run ends with the same weights and logs."""
+    window = dict(
+        max_steps=2,
+        steps_per_generation=2,
+        num_iterations=1,
+        save_strategy="steps",
+        save_steps=1,
+        learning_rate=3e-3,
+    )
+    straight = vlm_trainer(tmp_path / "straight", **window)
+    straight.train()
+    stored, _ = rollout_state_paths(str(tmp_path / "straight" / "checkpoint-1"))
+    assert load_file(stored)["micro_batch.0.image_inputs.pixel_values"].shape == (4, 1, 3, 16, 16)
+    resumed = vlm_trainer(tmp_path / "resumed", **{**window, "save_strategy": "no"})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
+
+    def weights(trainer):
+        return {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    first, second = weights(straight), weights(resumed)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+    def logs(trainer):
+        return [
+            {k: v for k, v in entry.items() if k != "step_time"}
+            for entry in trainer.state.log_history
+            if "loss" in entry
+        ]
+
+    assert logs(resumed) == logs(straight)  # step 1 comes back with the trainer state
+
+
+# ------------------------------------------------------------------ per-sample fields
+
+
+def test_per_sample_fields_slice_to_each_rows_own_images():
+    """Prompts with 1 and 2 images, 2 completions each: any slice of rows gives the model
+    exactly the images of those rows, in order; per-token fields extend over the completion."""
+    pixel_values = torch.arange(3.0).reshape(3, 1, 1, 1).expand(3, 3, 2, 2)  # images 0, 1, 2
+    token_type_ids = torch.tensor([[0, 0, 1], [1, 1, 0]])
+    fields = {"pixel_values": pixel_values, "token_type_ids": token_type_ids}
+    rows = per_sample(fields, [1, 2], prompt_length=3, group_size=2)
+    assert rows["pixel_values"].shape == (4, 2, 3, 2, 2)
+    assert rows["pixel_values:count"].tolist() == [1, 1, 2, 2]
+    inputs = model_inputs({k: v[1:3] for k, v in rows.items()}, completion_length=2)
+    assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [0.0, 1.0, 2.0]
+    assert inputs["token_type_ids"].tolist() == [[0, 0, 1, 0, 0], [1, 1, 0, 0, 0]]

@@ -12,7 +12,10 @@ from collections.abc import Callable
 
 import torch
 
+from .generation.images import model_inputs
 from .generation.rollout import Rollout
+
+IMAGE_PREFIX = "image_inputs."  # the keys of the multimodal fields in a batch
 
 
 def training_tensors(
@@ -51,7 +54,20 @@ def training_tensors(
     }
     if rollout.behaviour_logps is not None:
         tensors["behaviour_logps"] = rollout.behaviour_logps.to(device)
+    for name, value in (rollout.image_inputs or {}).items():
+        # One row per completion, so every slice of rows carries its own images.
+        tensors[IMAGE_PREFIX + name] = value.to(device)
     return tensors
+
+
+def image_model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward pass's multimodal keyword arguments for the rows of `batch` (a generation
+    batch, a micro-batch or a chunk of one), from the per-completion fields that
+    `training_tensors` put in it; empty for text."""
+    rows = {k[len(IMAGE_PREFIX) :]: v for k, v in batch.items() if k.startswith(IMAGE_PREFIX)}
+    if not rows:
+        return {}
+    return model_inputs(rows, batch["completion_ids"].shape[1])
 
 
 def split_micro_batches(

@@ -387,6 +387,13 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
     through the trainer's tools and environments when it has some.
     Before training, the model is first moved to the accelerator's device: under DeepSpeed and
     FSDP the Trainer leaves it where it was loaded (the CPU) until `train()`."""
+    from .generation.images import dataset_has_images
+
+    if dataset_has_images(dataset):
+        raise ValueError(
+            "The pass@k harness does not take images yet: it would grade answers to the text "
+            "alone. Use trainer.evaluate() (mean rewards), which samples with the images."
+        )
     kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
     kwargs.setdefault("tool_turns", tool_turns_of(trainer))
     model = place_on_device(trainer)

@@ -455,6 +455,7 @@ def completion_logprobs(
     return_entropy=False,
     logprob_chunk_tokens=None,
     cast_lm_head_to_fp32=False,
+    model_inputs=None,
 ):
     """Log-probs `(B, T)` of the completion tokens at the end of `input_ids` (and entropy).
 
@@ -478,14 +479,20 @@ def completion_logprobs(
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Compute the logits in float32 from float32 hidden states and head weight, as TRL's
             `cast_lm_head_to_fp32` (here without changing the model's parameters).
+        model_inputs (`dict`, *optional*):
+            More keyword arguments of the forward pass, for these rows: a vision-language
+            model's `pixel_values` and the like. Rows are then not packed (each row's image
+            features must meet its own image tokens).
     """
     completion_length = completion_ids.shape[1]
     head = output_head(model)
     if head is None and cast_lm_head_to_fp32:
         raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
-    outputs = _shared_prompt_logits(
-        model, input_ids, attention_mask, completion_length, head=head
-    )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+    outputs = None
+    if not model_inputs:
+        outputs = _shared_prompt_logits(
+            model, input_ids, attention_mask, completion_length, head=head
+        )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
     if outputs is None:
         outputs = _head_outputs(
             model,
@@ -494,6 +501,7 @@ def completion_logprobs(
             attention_mask=attention_mask,
             logits_to_keep=completion_length + 1,
             use_cache=False,
+            **(model_inputs or {}),
         )[:, :-1]  # position t predicts completion token t
     if head is None:
         return token_logprobs(

@@ -13,6 +13,7 @@ r"""Models the recipes start from without downloading weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -256,10 +257,13 @@ def gguf_to_folder(gguf_path: str, output_dir: str, dtype: torch.dtype = torch.f
 
 
 def load_policy(model, args, tokenizer=None, quantization_config=None):
-    """`(model, tokenizer)`: `model` loaded when it is a Hub id or folder (with
-    `args.model_init_kwargs` and `quantization_config`, as TRL loads it), its tokenizer when none
-    is given, with a pad token."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`(model, processing_class)`: `model` loaded when it is a Hub id or folder (with
+    `args.model_init_kwargs` and `quantization_config`, as TRL loads it: a vision-language
+    model through `AutoModelForImageTextToText`), its tokenizer, or a vision-language model's
+    processor, when none is given; the (processor's) tokenizer has a pad token."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from .generation.images import text_tokenizer
 
     if isinstance(model, str):
         init_kwargs = {
@@ -273,7 +277,7 @@ def load_policy(model, args, tokenizer=None, quantization_config=None):
                     "args.model_init_kwargs; set it in one place (the trainer argument)."
                 )
             init_kwargs["quantization_config"] = quantization_config
-        model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        model = _auto_class(model, init_kwargs).from_pretrained(model, **init_kwargs)
     elif quantization_config is not None:
         # TRL ignores it with a warning; training unquantized weights instead is worth a stop.
         raise ValueError(
@@ -283,12 +287,36 @@ def load_policy(model, args, tokenizer=None, quantization_config=None):
             "trainer argument."
         )
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(
+        loader = AutoProcessor if is_vision_language(model) else AutoTokenizer
+        tokenizer = loader.from_pretrained(
             model.config._name_or_path, trust_remote_code=args.trust_remote_code
         )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    text = text_tokenizer(tokenizer)
+    if text.pad_token is None:
+        text.pad_token = text.eos_token
     return model, tokenizer
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` (a transformers model, possibly PEFT-wrapped) takes images: its config
+    is one of `AutoModelForImageTextToText`'s."""
+    from transformers import AutoModelForImageTextToText
+
+    return type(model.config) in AutoModelForImageTextToText._model_mapping
+
+
+def _auto_class(name: str, init_kwargs: dict):
+    """`AutoModelForImageTextToText` for a vision-language checkpoint, as TRL loads one, else
+    `AutoModelForCausalLM`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    keys = ("trust_remote_code", "revision", "token", "cache_dir")
+    config = AutoConfig.from_pretrained(
+        name, **{k: init_kwargs[k] for k in keys if k in init_kwargs}
+    )
+    if type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def prepare_policy(model, args, peft_config=None):
@@ -303,7 +331,7 @@ def prepare_policy(model, args, peft_config=None):
             raise ValueError("model is already a PeftModel; do not also pass peft_config.")
         from peft import get_peft_model
 
-        model = get_peft_model(model, peft_config)
+        model = get_peft_model(model, language_model_lora(model, peft_config))
     if args.gradient_checkpointing and is_peft_model(model):
         _check_reentrant_under_zero3(args)
         model.enable_input_require_grads()
@@ -321,6 +349,27 @@ def prepare_policy(model, args, peft_config=None):
     if args.beta > 0 and not is_peft_model(model):
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return model, ref_model
+
+
+def language_model_lora(model, peft_config):
+    """`peft_config`, or for a vision-language model whose config targets `"all-linear"` or
+    leaves the targets to PEFT's defaults (which match the vision tower's `q_proj` and `v_proj`
+    too), a copy that targets the linear layers of the language model only, as TRL's VLM
+    examples intend: the vision tower and the projector stay frozen unless named explicitly.
+    The output head is not targeted (PEFT's "all-linear" leaves it out too)."""
+    targets = getattr(peft_config, "target_modules", "unset")
+    if not is_vision_language(model) or targets not in (None, "all-linear"):
+        return peft_config
+    decoder = model.get_decoder()
+    decoder_modules = {id(module) for module in decoder.modules()}
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module) in decoder_modules
+    ]
+    if not names:
+        return peft_config
+    return dataclasses.replace(peft_config, target_modules=names)
 
 
 def _check_reentrant_under_zero3(args) -> None:

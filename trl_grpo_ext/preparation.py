@@ -20,6 +20,14 @@ import torch
 from .config import GroupRelativeConfig
 from .generation.engines import engine_model_folder, policy_for_generation
 from .generation.engines import lora_rank as max_lora_rank
+from .generation.images import (
+    ROLLOUT_FUNC_WITH_IMAGES,
+    dataset_has_images,
+    images_unsupported,
+    is_processor,
+    prompt_with_images,
+    text_tokenizer,
+)
 from .generation.producer import RolloutProducer
 from .hub import is_peft_model
 from .rewards.model import RewardModel, resolve_reward_models
@@ -62,6 +70,29 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     )
     weakref.finalize(built, built.runner.close)
     return built
+
+
+def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, agent, rollout_func):
+    """Fails at construction when a dataset has images (`image`/`images` columns, or image parts
+    in its prompts) that the run would drop, training on the text alone: with a tokenizer as
+    `processing_class`, or with a path that does not carry images yet (`images_unsupported`)."""
+    for split, dataset in datasets.items():
+        if dataset is None or not dataset_has_images(dataset):
+            continue
+        if not is_processor(processing_class):
+            raise ValueError(
+                f"{split} has images, but processing_class is a tokenizer "
+                f"({type(processing_class).__name__}), which would train on the text alone. "
+                "Pass the model's processor instead: "
+                "processing_class=AutoProcessor.from_pretrained(model_id)."
+            )
+        if rollout_func is not None:
+            raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
+        if "prompt" in dataset.column_names and len(dataset):
+            prompt_with_images(dataset[0])  # conversational, each image part with its image
+        unsupported = images_unsupported(args, multi_turn=agent is not None)
+        if unsupported:
+            raise ValueError(f"{split}: {unsupported}")
 
 
 def environment_dataset(train_dataset, environment_factory, args: GroupRelativeConfig):
@@ -143,9 +174,10 @@ def rollout_producer(trainer, model, engine_folder: str | None) -> RolloutProduc
     so it sees the current (wrapped) model and weights; `model` (the policy as prepared by
     `models.prepare_policy`) gives the LoRA rank a vLLM engine is started with."""
     args = trainer.args
+    processing_class = trainer.processing_class
     return RolloutProducer(
         args,
-        trainer.processing_class,
+        text_tokenizer(processing_class),
         trainer.eos_token_ids,
         policy=lambda: policy_for_generation(
             trainer.model_wrapped,
@@ -157,6 +189,7 @@ def rollout_producer(trainer, model, engine_folder: str | None) -> RolloutProduc
         engine_folder=engine_folder,
         lora_rank=max_lora_rank(model) if is_peft_model(model) else None,
         agent=trainer.agent,
+        processor=processing_class if is_processor(processing_class) else None,
     )
 
 

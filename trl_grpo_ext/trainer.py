@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
 from . import preparation
-from .batches import split_micro_batches, training_tensors
+from .batches import image_model_inputs, split_micro_batches, training_tensors
 from .checkpoints import (
     RolloutState,
     inside_window,
@@ -41,6 +41,7 @@ from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .eval_rewards import mean_rewards
 from .generation import check_prompt_dataset
+from .generation.images import text_tokenizer
 from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin
@@ -76,8 +77,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
 
     Args:
         model (`str`, `PreTrainedModel` or `PeftModel`):
-            A hub id or local folder (loaded with `AutoModelForCausalLM` and
-            `args.model_init_kwargs`), or a model object.
+            A hub id or local folder (loaded with `AutoModelForCausalLM`, or for a
+            vision-language model `AutoModelForImageTextToText`, and `args.model_init_kwargs`),
+            or a model object.
         reward_funcs (callable, `str`, `PreTrainedModel`, or a list of them):
             Reward functions in TRL's convention, registry names (`"math_accuracy"`), dotted
             import paths (`"my_pkg.rewards:score"`), or reward models: a `PreTrainedModel` for
@@ -89,11 +91,15 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         train_dataset (`datasets.Dataset`, *optional*):
             Dataset with a `prompt` column: a string (standard) or a list of messages
             (conversational, rendered with the tokenizer's chat template). Other columns are
-            passed to the reward functions, one entry per completion.
+            passed to the reward functions, one entry per completion. Images, as TRL takes them:
+            an `image` or `images` column, or `{"type": "image"}` parts in conversational
+            prompts; single-turn rollouts on the transformers engine only for now (other paths
+            are an error, `generation/images.py`).
         eval_dataset (`datasets.Dataset`, *optional*):
             Prompts for `evaluate()`, in the same format.
-        processing_class (`PreTrainedTokenizerBase`, *optional*):
-            Tokenizer; loaded from the model's folder when omitted.
+        processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`, *optional*):
+            Tokenizer, or a vision-language model's processor (needed for images); loaded from
+            the model's folder when omitted (`AutoProcessor` for a vision-language model).
         reward_processing_classes (`PreTrainedTokenizerBase` or `list`, *optional*):
             The tokenizers of the reward models: one per reward function (entries for functions
             are ignored), or a single one when there is one reward function. `None`, or a `None`
@@ -166,6 +172,8 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
+        datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
+        preparation.check_images(processing_class, datasets, args, self.agent, rollout_func)
 
         engine_folder = preparation.colocated_engine_folder(model, processing_class, args)
         model, self.ref_model = prepare_policy(model, args, peft_config)
@@ -181,7 +189,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             optimizers=optimizers,
         )
         preparation.place_reward_and_reference_models(self)
-        self.eos_token_ids = eos_token_ids(model, processing_class)
+        self.eos_token_ids = eos_token_ids(model, text_tokenizer(processing_class))
         self.rollouts = preparation.rollout_producer(self, model, engine_folder)
         self.environments: list | None = None  # those of the latest generation batch, as TRL
         self._buffer: list[dict] | None = None
@@ -418,6 +426,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             return_entropy=return_entropy,
             logprob_chunk_tokens=self.args.logprob_chunk_tokens,
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+            model_inputs=image_model_inputs(batch),
         )
 
     def _logps_in_chunks(self, model, tensors, chunk_size):
@@ -458,7 +467,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 reward_weights=self.reward_weights,
                 group_size=args.num_generations,
                 max_rounds=args.max_resample_rounds,
-                pad_token_id=self.processing_class.pad_token_id,
+                pad_token_id=text_tokenizer(self.processing_class).pad_token_id,
             )
             for key, value in metrics.items():
                 self._metrics[key].append(value)

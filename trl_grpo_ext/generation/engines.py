@@ -65,12 +65,19 @@ class Engine(Protocol):
     version: int | None
 
     def generate(
-        self, prompt_ids, prompt_mask, generation_config, seed: int | None = None
+        self,
+        prompt_ids,
+        prompt_mask,
+        generation_config,
+        seed: int | None = None,
+        image_inputs: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`(B, P)` left-padded prompts -> `(prompt_ids, prompt_mask, completion_ids,
         behaviour_logps)` of `B*G` rows (`behaviour_logps` None when the engine samples with
         the trainer's own weights); what follows each completion's end is cut by
-        `rollout.CompletionEnds`."""
+        `rollout.CompletionEnds`. `image_inputs`: the processor's multimodal fields of the
+        prompts (`images.py`); only the transformers engine takes them so far, the others
+        refuse them (`images.refuse_images`) rather than sample from the text alone."""
         ...
 
     def publish(self, version: int) -> None:

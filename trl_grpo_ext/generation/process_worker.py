@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from .images import refuse_images
 from .transformers_engine import generate_with_transformers, seeded
 from .weights import OwnWeights
 
@@ -96,7 +97,7 @@ class ProcessEngine(OwnWeights):
         copies that nothing changes later, as `ParameterPublisher.snapshot` makes)."""
         self._requests.put(("weights", dict(named_tensors)))
 
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         """Samples in the process with the weights loaded last.
 
         Returns:
@@ -104,6 +105,7 @@ class ProcessEngine(OwnWeights):
             `generate_with_transformers(..., return_logprobs=True)`, with the log-probs 0 after
             each completion's end.
         """
+        refuse_images(self, image_inputs)
         with self._lock:
             self._requests.put(("generate", (prompt_ids, prompt_mask), generation_config, seed))
             while True:

@@ -38,6 +38,15 @@ import torch
 
 from .async_rollout import ResumableWorker, RolloutPipeline
 from .engines import EngineWorker, build_engine, build_rollout_engine
+from .images import (
+    ROLLOUT_FUNC_WITH_IMAGES,
+    image_token_id,
+    images_unsupported,
+    per_sample,
+    prompt_with_images,
+    refuse_images,
+    rows_have_images,
+)
 from .multi_turn import ToolCallFormat, ToolLoop, Turns
 from .prompts import PromptEncoder, is_conversational
 from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
@@ -60,6 +69,8 @@ class RolloutProducer:
         lora_rank (`int`, *optional*): the adapters' rank under LoRA; None for full fine-tuning.
         agent (*optional*): multi-turn rollouts with tools (`tools.Agent`): `start(rows, group)`
             gives each rollout its prompt, tools and environment, `runner` runs tool calls.
+        processor (*optional*): the model's multimodal processor, for prompts with images
+            (`images.py`); its image token is never sampled.
     """
 
     def __init__(
@@ -73,8 +84,10 @@ class RolloutProducer:
         engine_folder=None,
         lora_rank=None,
         agent=None,
+        processor=None,
     ):
         self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
+        self.processor = processor
         self.policy, self.model = policy, model
         self.agent, self.tool_loop = agent, None
         format = chat_template = None
@@ -82,9 +95,11 @@ class RolloutProducer:
             format = ToolCallFormat(tokenizer, args.chat_template_kwargs)
             chat_template = format.chat_template
         self.encoder = PromptEncoder(
-            tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template
+            tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template, processor
         )
         ids = dict(eos_token_id=eos_token_ids, pad_token_id=tokenizer.pad_token_id)
+        if processor is not None:  # a sampled image token would have no image features
+            ids["suppress_tokens"] = [image_token_id(processor, model())]
         settings = SamplingSettings.from_config(args)
         self.generation_config = settings.generation_config(
             num_return_sequences=args.num_generations, **ids
@@ -153,6 +168,9 @@ class RolloutProducer:
         owns the engine (`evaluate()` during training), the sampling runs on the worker's
         thread, in turn with its batches."""
         batch, self._scheduled = self._scheduled, None  # a scheduled batch is taken once
+        with_images = rows_have_images(rows)
+        if with_images:
+            self._check_images_supported()
         if batch is not None and self.args.max_staleness is not None:
             rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
             return rollout
@@ -162,6 +180,8 @@ class RolloutProducer:
         engine = self.evaluation_engine(version)
         if self.tool_loop is not None:
             return self._generate_turns(rows, version, engine, seed, self._outside_slot)
+        if with_images:
+            return self._generate_with_images(rows, version, engine, seed)
         prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, self.sampling, seed
@@ -169,6 +189,39 @@ class RolloutProducer:
         return self.build_rollout(
             rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
         )
+
+    def _generate_with_images(self, rows, version, engine, seed) -> Rollout:
+        """Single-turn rollouts of prompts with images: the processor renders and tokenises them
+        (image tokens expanded), the engine samples with their multimodal fields, and each
+        completion carries its prompt's fields (`images.per_sample`) into training."""
+        prepared = [prompt_with_images(row) for row in rows]
+        prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
+        prompt_ids, prompt_mask, fields = self.encoder.encode_with_images(prompts, images)
+        prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
+            prompt_ids, prompt_mask, self.sampling, seed, image_inputs=fields
+        )
+        group = len(completion_ids) // len(rows)
+        image_inputs = per_sample(fields, [len(i) for i in images], prompt_ids.shape[1], group)
+        ids, logps, ended = self.ends.cut(completion_ids, behaviour_logps)
+        prompts = [prompt for prompt in prompts for _ in range(group)]
+        return self._assemble(
+            rows,
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            ids,
+            ended,
+            logps=logps,
+            version=version,
+            image_inputs=image_inputs,
+        )
+
+    def _check_images_supported(self) -> None:
+        """Prompts with images go through the single-turn transformers path only, for now: any
+        other path would sample from their text alone, so it is an error that says so."""
+        unsupported = images_unsupported(self.args, self.tool_loop is not None, self.engine)
+        if unsupported:
+            raise ValueError(unsupported)
 
     def tool_turns(self, rows: list[dict], engine, generation_config) -> Turns:
         """Multi-turn completions of `rows` through the tools and environments, outside the
@@ -292,6 +345,8 @@ class RolloutProducer:
         completion, `prompt_ids`, `completion_ids` and `logprobs` (None, or the sampled tokens'
         log-probs), optionally `env_mask` (0 on tokens it did not sample) and further fields,
         which reward functions receive as keyword arguments."""
+        if rows_have_images(rows):
+            raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
         group = self.sampling.num_return_sequences
         prompts = [row["prompt"] for row in rows for _ in range(group)]
         self.publish(version)  # a function that samples with the engine gets current weights
@@ -543,7 +598,8 @@ class _OnWorkerThread:
     def __init__(self, producer: RolloutProducer, version: int):
         self.producer, self.version = producer, version
 
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
+        refuse_images(self, image_inputs)
         engine = self.producer.engine
         return self.producer._on_worker_thread(
             self.version, lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed)

@@ -60,12 +60,19 @@ class PromptEncoder:
             (e.g. `{"enable_thinking": False}` for Qwen3).
         chat_template (`str`, *optional*): renders instead of the tokenizer's own (the
             prefix-preserving template of multi-turn rollouts, `multi_turn.ToolCallFormat`).
+        processor (*optional*): the model's multimodal processor, which `encode_with_images`
+            renders and tokenises prompts with images with.
     """
 
     def __init__(
-        self, tokenizer, max_prompt_length=None, chat_template_kwargs=None, chat_template=None
+        self,
+        tokenizer,
+        max_prompt_length=None,
+        chat_template_kwargs=None,
+        chat_template=None,
+        processor=None,
     ):
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = tokenizer, processor
         self.max_prompt_length = max_prompt_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.chat_template = chat_template
@@ -132,3 +139,47 @@ class PromptEncoder:
             # Left padding, so keeping the last tokens truncates long prompts from the left.
             prompt_ids, prompt_mask = prompt_ids[:, -limit:], prompt_mask[:, -limit:]
         return prompt_ids, prompt_mask
+
+    def encode_with_images(self, prompts: list, images: list[list]):
+        """`(prompt_ids, prompt_mask, fields)` of conversational prompts with images: rendered
+        by the processor's chat template and tokenised by the processor, which expands each
+        image placeholder into the model's image tokens; `fields` are its other outputs
+        (`pixel_values`, ...), flattened over the images of the batch. Prompts are never cut
+        here: a cut could drop image tokens that the image features must match, so a prompt
+        longer than `max_prompt_length` is an error."""
+        if self.processor is None:
+            raise ValueError(
+                "These prompts have images, but processing_class is a tokenizer, which would "
+                "train on their text alone. Pass the model's processor as processing_class "
+                "(AutoProcessor.from_pretrained(model_id)), or drop the images from the dataset."
+            )
+        texts = [
+            self.processor.apply_chat_template(
+                prompt,
+                tokenize=False,
+                add_generation_prompt=prompt[-1]["role"] != "assistant",
+                continue_final_message=prompt[-1]["role"] == "assistant",
+                **self.chat_template_kwargs,
+            )
+            for prompt in prompts
+        ]
+        encoded = self.processor(
+            text=texts,
+            images=[row or None for row in images] if any(images) else None,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        )
+        prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (B, P)
+        limit = self.max_prompt_length
+        longest = int(prompt_mask.sum(dim=1).max())
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"A prompt with images has {longest} tokens (its image tokens included), more "
+                f"than max_prompt_length={limit}. Prompts with images are not cut, as a cut "
+                "could drop image tokens: raise max_prompt_length, or set it to None (TRL does "
+                "not cut prompts)."
+            )
+        fields = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+        return prompt_ids, prompt_mask, fields

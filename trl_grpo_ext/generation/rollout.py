@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .images import PER_TOKEN_FIELDS, concat_rows, select_rows
+
 
 @dataclass
 class Rollout:
@@ -36,6 +38,8 @@ class Rollout:
             each rollout made, and how many of them came back as errors.
         environments (`list`, *optional*): the environment of each rollout
             (`environment_factory`), which reward functions receive as `environments`.
+        image_inputs (`dict[str, torch.Tensor]`, *optional*): prompts with images: the
+            processor's multimodal fields, one row per completion (`images.per_sample`).
     """
 
     prompts: list
@@ -53,6 +57,7 @@ class Rollout:
     tool_calls: torch.Tensor | None = None
     tool_failures: torch.Tensor | None = None
     environments: list | None = None
+    image_inputs: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -89,6 +94,7 @@ class Rollout:
             tool_calls=rows_of(self.tool_calls),
             tool_failures=rows_of(self.tool_failures),
             environments=None if self.environments is None else pick(self.environments),
+            image_inputs=select_rows(self.image_inputs, index),
         )
 
     def completion_id_lists(self) -> list[list[int]]:
@@ -221,6 +227,7 @@ def assemble_rollout(
     tool_mask: list[list[int]] | None = None,
     version: int = 0,
     pad_to_multiple_of: int | None = None,
+    image_inputs: dict[str, torch.Tensor] | None = None,
 ) -> Rollout:
     """The one function that turns sampled ids into a `Rollout`, for every generation path.
 
@@ -236,6 +243,8 @@ def assemble_rollout(
         ended (`list[bool]`): whether each completion ended (eos or stop string).
         completions (`list`): the decoded completions (strings or messages).
         pad_to_multiple_of (`int`, *optional*): pad both widths to a multiple of it.
+        image_inputs (`dict[str, torch.Tensor]`, *optional*): the multimodal fields of each
+            completion's prompt (`images.per_sample`).
     """
     lengths = torch.tensor([len(ids) for ids in completion_ids])  # (N,)
     positions = torch.arange(max(int(lengths.max()), 1)).unsqueeze(0)  # (1, T)
@@ -256,6 +265,7 @@ def assemble_rollout(
         behaviour_logps=behaviour,
         policy_version=version,
         tool_mask=None if tool_mask is None else right_padded(tool_mask, 1, torch.long),
+        image_inputs=image_inputs,
     )
     if pad_to_multiple_of:
         rollout = pad_rollout(rollout, pad_to_multiple_of, pad_token_id)
@@ -288,6 +298,11 @@ def pad_rollout(rollout: Rollout, multiple: int, pad_token_id: int) -> Rollout:
         rollout.behaviour_logps = _pad_to(rollout.behaviour_logps, completion_width, 0.0, False)
     if rollout.tool_mask is not None:
         rollout.tool_mask = _pad_to(rollout.tool_mask, completion_width, 1, left=False)
+    if rollout.image_inputs is not None:
+        rollout.image_inputs = {
+            name: _pad_to(value, prompt_width, 0, left=True) if name in PER_TOKEN_FIELDS else value
+            for name, value in rollout.image_inputs.items()
+        }
     return rollout
 
 
@@ -326,4 +341,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         tool_calls=stack_if_all("tool_calls"),
         tool_failures=stack_if_all("tool_failures"),
         environments=environments,
+        image_inputs=concat_rows(
+            [r.image_inputs for r in rollouts],
+            [r.prompt_ids.shape[1] for r in rollouts],
+            prompt_width,
+        ),
     )

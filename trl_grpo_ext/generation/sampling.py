@@ -49,10 +49,13 @@ class SamplingSettings:
         pad_token_id: int | None,
         num_return_sequences: int = 1,
         greedy: bool = False,
+        suppress_tokens: list[int] | None = None,
     ) -> GenerationConfig:
         """A complete `GenerationConfig` of these settings: every field given, so that nothing
         comes from the checkpoint's `generation_config.json` (`isolated_from_checkpoint`).
-        `greedy=True` decodes greedily (evaluation); the sampling fields are then unused."""
+        `greedy=True` decodes greedily (evaluation); the sampling fields are then unused.
+        `suppress_tokens` are never sampled (a VLM's image token, whose embedding would have no
+        image features to match)."""
         settings = dict(
             do_sample=not greedy,
             max_new_tokens=self.max_completion_length,
@@ -66,6 +69,8 @@ class SamplingSettings:
             eos_token_id=list(eos_token_id),
             cache_implementation=self.cache_implementation,
         )
+        if suppress_tokens:
+            settings["suppress_tokens"] = list(suppress_tokens)
         if greedy:
             settings.update(temperature=1.0, top_p=1.0, top_k=0, min_p=None)
         settings.update(_with_stop_strings(self.generation_kwargs or {}))  # the user's win

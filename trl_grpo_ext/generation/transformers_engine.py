@@ -28,6 +28,7 @@ def generate_with_transformers(
     generation_config: GenerationConfig,
     return_logprobs: bool = False,
     tokenizer=None,
+    image_inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -50,6 +51,9 @@ def generate_with_transformers(
         tokenizer (*optional*): lets `generate` stop at `generation_config.stop_strings`;
             without it sampling goes on past them, and the caller ends each completion at its
             stop (`generation.end_at_stop_strings`).
+        image_inputs (`dict[str, torch.Tensor]`, *optional*): the processor's multimodal
+            fields of the B prompts (`pixel_values`, ...), as it returned them; the vision tower
+            runs on them once, in the pass that encodes the prompts.
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
@@ -57,6 +61,7 @@ def generate_with_transformers(
         each completion's first eos).
     """
     encoded = {"input_ids": prompt_ids, "attention_mask": prompt_mask}
+    encoded.update(image_inputs or {})
     encoded = {key: value.to(model.device) for key, value in encoded.items()}  # (B, P)
     if generation_config.stop_strings:
         if tokenizer is None:  # `generate` cannot match strings without it
@@ -206,6 +211,7 @@ class TransformersEngine:
 
     own_weights = False  # it samples with the trainer's model: nothing to publish
     version = None
+    takes_images = True  # `generate` takes the processor's multimodal fields
 
     def __init__(
         self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None, merge_adapters=True
@@ -214,7 +220,7 @@ class TransformersEngine:
         self.tokenizer, self.merge_adapters = tokenizer, merge_adapters
         self._said_why_unmerged = False
 
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
             if self.merge_adapters:
                 stack.enter_context(merged_lora(model, log_reason=not self._said_why_unmerged))
@@ -228,6 +234,7 @@ class TransformersEngine:
                     prompt_mask,
                     generation_config=generation_config,
                     tokenizer=self.tokenizer,
+                    image_inputs=image_inputs,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 

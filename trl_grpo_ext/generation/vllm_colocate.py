@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 import torch
 
+from .images import refuse_images
 from .vllm_sampling import prompt_seeds, sampling_params, to_tensors, unpadded_prompts
 from .weights import OwnWeights
 
@@ -241,7 +242,7 @@ class VLLMColocateEngine(OwnWeights):
         if enable_sleep_mode:
             self.llm.sleep(level=1)
 
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         """Samples `num_return_sequences` completions per prompt with the latest weights.
 
         Args:
@@ -253,6 +254,7 @@ class VLLMColocateEngine(OwnWeights):
             `(prompt_ids, prompt_mask, completion_ids, logps)`, as
             `generate_with_transformers(..., return_logprobs=True)`.
         """
+        refuse_images(self, image_inputs)
         group_size = generation_config.num_return_sequences or 1
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         params = [

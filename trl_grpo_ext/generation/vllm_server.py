@@ -43,6 +43,7 @@ import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+from .images import refuse_images
 from .vllm_sampling import (
     adapter_rank,
     prompt_seeds,
@@ -217,7 +218,7 @@ class VLLMServerEngine(OwnWeights):
             )
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None):
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         """Samples `num_return_sequences` completions per prompt with the latest published
         weights; one request per prompt, `max_concurrent_requests` at a time.
 
@@ -225,6 +226,7 @@ class VLLMServerEngine(OwnWeights):
             `(prompt_ids, prompt_mask, completion_ids, logps)`, as
             `generate_with_transformers(..., return_logprobs=True)`.
         """
+        refuse_images(self, image_inputs)
         group_size = generation_config.num_return_sequences or 1
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         if not self._logprobs_checked:
