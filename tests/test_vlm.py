@@ -11,8 +11,19 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.checkpoints import rollout_state_paths
-from trl_grpo_ext.generation.images import images_unsupported, model_inputs, per_sample
-from trl_grpo_ext.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, tiny_vlm_and_processor
+from trl_grpo_ext.generation.images import (
+    concat_rows,
+    images_unsupported,
+    model_inputs,
+    per_sample,
+    select_rows,
+)
+from trl_grpo_ext.tiny_vlm import (
+    IMAGE_TOKEN,
+    build_tiny_vlm,
+    save_tiny_vlm,
+    tiny_vlm_and_processor,
+)
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -306,3 +317,83 @@ def test_per_sample_fields_slice_to_each_rows_own_images():
     inputs = model_inputs({k: v[1:3] for k, v in rows.items()}, completion_length=2)
     assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [0.0, 1.0, 2.0]
     assert inputs["token_type_ids"].tolist() == [[0, 0, 1, 0, 0], [1, 1, 0, 0, 0]]
+
+
+def test_a_vlm_folder_loads_with_its_processor(tmp_path):
+    """A model given by folder (or Hub id) loads as TRL loads it: `AutoModelForImageTextToText`
+    and, without a processing_class, `AutoProcessor`."""
+    folder = save_tiny_vlm(tmp_path / "tiny-vlm")
+    trainer = GroupRelativeTrainer(
+        model=folder,
+        reward_funcs=odd_first_byte_of_message,
+        args=GroupRelativeConfig(output_dir=str(tmp_path / "out"), report_to="none"),
+        train_dataset=color_rows(),
+    )
+    assert type(trainer.model).__name__ == "LlavaForConditionalGeneration"
+    assert type(trainer.processing_class).__name__ == "LlavaProcessor"
+
+
+def test_old_and_reference_logprobs_see_the_images(tmp_path):
+    """With num_iterations=2 (old log-probs) and beta > 0 under LoRA (reference log-probs with
+    the adapters disabled), each no-gradient pass runs the vision tower on its chunk's images:
+    per step, generation (2 prompts), old and reference passes (4 rows each), then 2 training
+    micro-batches of 4 rows, each trained on twice (num_iterations)."""
+    trainer = vlm_trainer(
+        tmp_path, num_iterations=2, beta=0.1, gradient_accumulation_steps=2, max_steps=2
+    )
+    calls = []
+
+    def record(module, args, kwargs, output):
+        pixel_values = kwargs.get("pixel_values", args[0] if args else None)
+        calls.append((module.training, pixel_values.shape[0]))
+
+    trainer.model.get_base_model().model.vision_tower.register_forward_hook(
+        record, with_kwargs=True
+    )
+    trainer.train()
+    no_grad = [(False, 2)] + [(False, 4)] * 4  # generation; old: 2 chunks; reference: 2 chunks
+    assert calls == no_grad + [(True, 4)] * 2 + [(True, 4)] * 2
+
+
+def test_mixed_batches_and_dynamic_sampling_keep_each_rows_images(tmp_path):
+    """A batch where one prompt has an image and one has none samples both (the text row has
+    no pixel values), and dynamic sampling, which joins and selects groups of several sampling
+    rounds, trains with each group's own images."""
+    mixed = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": "Which color?"}], "images": [image(RED)]},
+            {"prompt": [{"role": "user", "content": "No image"}], "images": []},
+        ]
+    )
+    trainer = vlm_trainer(tmp_path, mixed)
+    rollout = trainer.generate_rollouts([mixed[0], mixed[1]])
+    assert rollout.image_inputs["pixel_values:count"].tolist() == [1] * 4 + [0] * 4
+    assert (
+        (rollout.prompt_ids == trainer.processing_class.image_token_id).sum(1) > 0
+    ).tolist() == [True] * 4 + [False] * 4
+    dynamic = vlm_trainer(tmp_path / "dynamic", dynamic_sampling=True, max_steps=2)
+    dynamic.train()
+    assert dynamic.state.global_step == 2
+
+
+def test_joined_rollouts_keep_each_rows_images():
+    """`concat_rows` (dynamic sampling joins rounds): per-image fields padded to the most
+    entries, per-token fields left-padded to the wider prompts, each row's own values kept."""
+    one = per_sample(
+        {"pixel_values": torch.full((1, 3, 2, 2), 1.0), "token_type_ids": torch.tensor([[1, 0]])},
+        [1],
+        prompt_length=2,
+    )
+    two = per_sample(
+        {
+            "pixel_values": torch.stack([torch.full((3, 2, 2), 2.0), torch.full((3, 2, 2), 3.0)]),
+            "token_type_ids": torch.tensor([[1, 1, 0]]),
+        },
+        [2],
+        prompt_length=3,
+    )
+    joined = concat_rows([one, two], [2, 3], 3)
+    assert joined["pixel_values"].shape == (2, 2, 3, 2, 2)
+    assert joined["token_type_ids"].tolist() == [[0, 1, 0], [1, 1, 0]]
+    inputs = model_inputs(select_rows(joined, torch.tensor([1, 0])))
+    assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [2.0, 3.0, 1.0]

@@ -165,7 +165,7 @@ class PromptEncoder:
         ]
         encoded = self.processor(
             text=texts,
-            images=[row or None for row in images] if any(images) else None,
+            images=[list(row) for row in images] if any(images) else None,  # [] for none
             return_tensors="pt",
             padding=True,
             padding_side="left",
