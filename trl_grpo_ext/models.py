@@ -310,7 +310,7 @@ def _auto_class(name: str, init_kwargs: dict):
     `AutoModelForCausalLM`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    keys = ("trust_remote_code", "revision", "token", "cache_dir")
+    keys = ("trust_remote_code", "revision", "token", "cache_dir", "subfolder", "gguf_file")
     config = AutoConfig.from_pretrained(
         name, **{k: init_kwargs[k] for k in keys if k in init_kwargs}
     )
