@@ -397,3 +397,12 @@ def test_joined_rollouts_keep_each_rows_images():
     assert joined["token_type_ids"].tolist() == [[0, 1, 0], [1, 1, 0]]
     inputs = model_inputs(select_rows(joined, torch.tensor([1, 0])))
     assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [2.0, 3.0, 1.0]
+
+
+def test_the_pass_at_k_harness_refuses_images(tmp_path):
+    """It samples from text prompts only for now; `trainer.evaluate()` takes images."""
+    from trl_grpo_ext.evaluation import evaluate_on_processes
+
+    trainer = vlm_trainer(tmp_path)
+    with pytest.raises(ValueError, match="does not take images yet"):
+        evaluate_on_processes(trainer, color_rows(repeat=1))

@@ -8,7 +8,9 @@ and the sampling settings of `generate`, each built in one place, and the engine
 - `transformers_engine.py`, `process_worker.py`, `vllm_colocate.py`, `vllm_server.py`: the
   engines (transformers here or in a process of its own, vLLM colocated or on a server);
 - `async_rollout.py`: the asynchronous pipeline and its in-flight batches;
-- `rollout.py`: the `Rollout` record; `producer.py`: rows in, `Rollout`s out.
+- `rollout.py`: the `Rollout` record; `producer.py`: rows in, `Rollout`s out;
+- `images.py`: images in prompts (TRL's dataset format) and the processor's multimodal fields,
+  carried per completion.
 
 Nothing here imports the training side (`tests/test_layout.py` checks it)."""
 
