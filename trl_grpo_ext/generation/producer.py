@@ -30,17 +30,19 @@ rounds (`"resample"`) and one for batches sampled outside the schedule (`"outsid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from .async_rollout import ResumableWorker, RolloutPipeline
 from .engines import EngineWorker, build_engine, build_rollout_engine
-from .multi_turn import ToolCallFormat, ToolLoop, Turns
+from .multi_turn import ToolCallFormat, ToolLoop
 from .prompts import PromptEncoder, is_conversational
-from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
+from .rollout import CompletionEnds, Rollout, assemble_rollout, eos_token_ids, left_padded
 from .sampling import SamplingSettings
 from .transformers_engine import generation_seed
 
@@ -159,24 +161,59 @@ class RolloutProducer:
         seed = None
         if self.engine.own_weights:
             seed = int(torch.randint(0, 2**31 - 1, ()))
+        return self._sample(rows, self.sampling, version, seed)
+
+    def sample(self, rows: list[dict], generation_config, version: int = 0) -> Rollout:
+        """Rollouts of `rows` outside the training schedule (evaluations: `trainer.evaluate`
+        and the evaluation harness, `evaluation.generate`): `generation_config`'s
+        `num_return_sequences` per row, in order, sampled with the weights of `version`
+        (`evaluation_engine`), through the tools when the run has them, and cut, masked and
+        assembled as training rollouts are."""
+        return self._sample(rows, generation_config, version, seed=None)
+
+    def _sample(self, rows, generation_config, version, seed) -> Rollout:
         engine = self.evaluation_engine(version)
         if self.tool_loop is not None:
-            return self._generate_turns(rows, version, engine, seed, self._outside_slot)
+            return self._generate_turns(
+                rows, version, engine, seed, self._outside_slot, generation_config
+            )
         prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
-            prompt_ids, prompt_mask, self.sampling, seed
+            prompt_ids, prompt_mask, generation_config, seed
         )
         return self.build_rollout(
             rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
         )
 
-    def tool_turns(self, rows: list[dict], engine, generation_config) -> Turns:
-        """Multi-turn completions of `rows` through the tools and environments, outside the
-        training schedule (evaluations: `evaluation.generate`), sampled by `engine` (from
-        `evaluation_engine`) with `generation_config`: `num_return_sequences` per row, in order."""
-        group = generation_config.num_return_sequences or 1
-        _, tools, _, encoded = self._start_turns(rows, group, self._outside_slot)
-        return self.tool_loop.run(engine, generation_config, None, *encoded, tools)
+    @classmethod
+    def for_model(cls, model, tokenizer, *, chat_template_kwargs=None, engine=None):
+        """A producer that samples from `model` alone, outside any trainer (the evaluation
+        harness on a bare model, `evaluation.generate`): the config's defaults, prompts rendered
+        with `chat_template_kwargs`, sampled by `engine` (by default `model`'s own `generate`,
+        in eval mode). Sample with `sample`."""
+        from .engines import in_eval_mode
+
+        args = SimpleNamespace(  # what a producer without a trainer reads: the defaults
+            **dataclasses.asdict(SamplingSettings()),
+            chat_template_kwargs=chat_template_kwargs,
+            max_prompt_length=None,
+            num_generations=1,
+            num_generations_eval=None,
+            use_vllm=False,
+            cast_lm_head_to_fp32=False,
+            pad_to_multiple_of=None,
+            max_staleness=None,
+        )
+        producer = cls(
+            args,
+            tokenizer,
+            eos_token_ids(model, tokenizer),
+            policy=lambda: in_eval_mode(model),
+            model=lambda: model,
+        )
+        if engine is not None:
+            producer.engine = engine
+        return producer
 
     @property
     def _outside_slot(self):
@@ -243,12 +280,13 @@ class RolloutProducer:
             **fields,
         )
 
-    def _generate_turns(self, rows, version, engine, seed, slot=0) -> Rollout:
+    def _generate_turns(self, rows, version, engine, seed, slot=0, generation_config=None):
         """Multi-turn rollouts: each of the G rollouts of a row has its own prompt (its
         environment's `reset` may add to it), tools and history."""
-        group = self.sampling.num_return_sequences
+        generation_config = generation_config or self.sampling
+        group = generation_config.num_return_sequences or 1
         prompts, tools, environments, encoded = self._start_turns(rows, group, slot)
-        turns = self.tool_loop.run(engine, self.sampling, seed, *encoded, tools)
+        turns = self.tool_loop.run(engine, generation_config, seed, *encoded, tools)
         return self._turns_rollout(rows, group, prompts, *encoded, turns, environments, version)
 
     def _start_turns(self, rows, group: int, slot):
