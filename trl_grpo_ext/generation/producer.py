@@ -280,10 +280,9 @@ class RolloutProducer:
             **fields,
         )
 
-    def _generate_turns(self, rows, version, engine, seed, slot=0, generation_config=None):
+    def _generate_turns(self, rows, version, engine, seed, slot, generation_config) -> Rollout:
         """Multi-turn rollouts: each of the G rollouts of a row has its own prompt (its
         environment's `reset` may add to it), tools and history."""
-        generation_config = generation_config or self.sampling
         group = generation_config.num_return_sequences or 1
         prompts, tools, environments, encoded = self._start_turns(rows, group, slot)
         turns = self.tool_loop.run(engine, generation_config, seed, *encoded, tools)
