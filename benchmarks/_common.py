@@ -145,17 +145,51 @@ def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
 # ------------------------------------------------------------------------- prompts, reward
 
 
-def prompt_dataset(num_rows: int, difficulty: int, system_prompt: bool):
-    """Synthetic sums as chat prompts, with their answers (`trl_grpo_ext.data`)."""
+def prompt_dataset(
+    num_rows: int,
+    difficulty: int,
+    system_prompt: bool,
+    *,
+    prompt_tokens: int | None = None,
+    tokenizer=None,
+):
+    """Synthetic sums as chat prompts, with their answers (`trl_grpo_ext.data`). With
+    `prompt_tokens`, each prompt is exactly that many tokens of `tokenizer` (chat template and
+    generation prompt included): the system prompt is repeated or cut to fit."""
     from datasets import Dataset
 
     from trl_grpo_ext.data import SYSTEM_PROMPT, make_prompt, synthetic_rows
 
     rows = synthetic_rows(num_rows, difficulty=difficulty, seed=0, unique=False)
     system = SYSTEM_PROMPT if system_prompt else None
+    prompts = [make_prompt(row["question"], system) for row in rows]
+    if prompt_tokens is not None:
+        prompts = [_fitted(row["question"], prompt_tokens, tokenizer) for row in rows]
     return Dataset.from_list(
-        [{"prompt": make_prompt(row["question"], system), "answer": row["answer"]} for row in rows]
+        [{"prompt": prompt, "answer": row["answer"]} for prompt, row in zip(prompts, rows)]
     )
+
+
+def _fitted(question: str, prompt_tokens: int, tokenizer) -> list[dict]:
+    """A chat prompt of `question` whose system prompt makes it `prompt_tokens` tokens long."""
+    from trl_grpo_ext.data import SYSTEM_PROMPT, make_prompt
+
+    def length(system: str) -> int:
+        rendered = tokenizer.apply_chat_template(
+            make_prompt(question, system), add_generation_prompt=True, tokenize=False
+        )
+        return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    filler = SYSTEM_PROMPT * (1 + prompt_tokens // max(len(SYSTEM_PROMPT), 1))
+    low, high = 0, len(filler)  # the longest cut of the filler that fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (
+            (middle, high) if length(filler[:middle]) <= prompt_tokens else (low, middle - 1)
+        )
+    if length(filler[:low]) != prompt_tokens:
+        raise ValueError(f"no system prompt makes {question!r} exactly {prompt_tokens} tokens")
+    return make_prompt(question, filler[:low])
 
 
 def sum_reward(completions, answer, **kwargs) -> list[float]:
@@ -289,6 +323,8 @@ def _build_trainer(spec: dict, dataset, timer):
     if spec["trainer"] == "trl" and "trl_engine_args" in spec:
         engine_args = spec["trl_engine_args"] or {}
     common.update(engine_args)
+    if spec.get("fixed_lengths"):  # every completion has max_completion_length tokens, both sides
+        common["generation_kwargs"] = {"min_new_tokens": spec["max_completion_length"]}
     if spec["trainer"] == "ours":
         from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 
@@ -318,7 +354,18 @@ def run_worker(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     spec = {**DEFAULTS, **spec}
     steps = spec["warmup_steps"] + spec["steps"]
-    dataset = prompt_dataset(steps * spec["num_prompts"], spec["difficulty"], spec["system_prompt"])
+    tokenizer = None
+    if spec.get("prompt_tokens"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    dataset = prompt_dataset(
+        steps * spec["num_prompts"],
+        spec["difficulty"],
+        spec["system_prompt"],
+        prompt_tokens=spec.get("prompt_tokens"),
+        tokenizer=tokenizer,
+    )
     timer = _make_timer(spec["device"])
     started = time.perf_counter()
     trainer = _build_trainer(spec, dataset, timer)

@@ -3,6 +3,8 @@
     python benchmarks/gpu.py                      # one NVIDIA GPU, no network, < 5 minutes
     python benchmarks/gpu.py --shape tiny --device cpu --dtype float32   # the CPU smoke test
     python benchmarks/gpu.py --engine vllm        # both trainers generate with vLLM colocated
+    python benchmarks/gpu.py --device cpu --dtype float32 --num-prompts 1 --prompt-tokens 128 \
+        --fixed-lengths --rounds 1 --steps 1    # the same shape on CPU (docs/benchmarks.md)
 
 A randomly initialised Qwen2 model with the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14
 heads, 2 key/value heads, intermediate 4864, vocabulary 151936) in bf16, LoRA r=16 on all linear
@@ -76,6 +78,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8, help="completions per pass")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=None, help="prompts of exactly this many tokens"
+    )
+    parser.add_argument(
+        "--fixed-lengths",
+        action="store_true",
+        help="every completion max-completion-length tokens (min_new_tokens, in both trainers)",
+    )
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
@@ -111,6 +121,8 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
         "system_prompt": True,
+        "prompt_tokens": args.prompt_tokens,
+        "fixed_lengths": args.fixed_lengths,
     }
     if args.engine == "vllm":
         vllm = {

@@ -58,7 +58,7 @@ def main():
 
     from trl_grpo_ext.generation import sampling_config
     from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
-    from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine
+    from trl_grpo_ext.generation.vllm_colocate import ColocateSettings, VLLMColocateEngine
     from trl_grpo_ext.tiny import save_tiny
 
     workdir = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
@@ -107,7 +107,9 @@ def main():
     rows.append(("transformers generate", seconds, tokens_per_s(seconds, output)))
 
     start = time.perf_counter()
-    engine = VLLMColocateEngine(model_dir, max_model_len=1024, max_lora_rank=args.lora_r)
+    engine = VLLMColocateEngine(
+        model_dir, ColocateSettings(max_model_len=1024, max_lora_rank=args.lora_r)
+    )
     startup = time.perf_counter() - start
     seconds, output = timed(lambda: engine.generate(*prompts, config, seed=0), args.repeats)
     rows.append(("vLLM, base weights", seconds, tokens_per_s(seconds, output)))

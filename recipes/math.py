@@ -44,7 +44,6 @@ from trl_grpo_ext.evaluation import (
     keep_records_up_to,
     plot_training_curve,
     set_aside,
-    tool_turns_of,
 )
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
@@ -146,12 +145,12 @@ def main(script_args, training_args, model_args):
         best_dir=os.path.join(training_args.output_dir, "best") if script_args.keep_best else None,
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
-        # The trainer's engine (vLLM, or transformers with ZeRO-3 weights gathered) and its
-        # saving (sharded weights gathered): every process evaluates a shard and saves.
-        engine=lambda step: trainer.rollouts.evaluation_engine(step),
+        # The trainer's producer (its engine: vLLM, or transformers with ZeRO-3 weights
+        # gathered; its tools, as in training) and its saving (sharded weights gathered): every
+        # process evaluates a shard and saves.
+        producer=lambda: trainer.rollouts,
         save_model=lambda folder: trainer.save_model(folder),
         skip_last_step=True,  # the final evaluation below scores the same weights
-        tool_turns=lambda: tool_turns_of(trainer),  # through the tools, as in training
     )
     trainer = GroupRelativeTrainer(
         model=model,

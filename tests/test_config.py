@@ -397,3 +397,34 @@ def test_sampling_settings_come_from_the_config_whose_defaults_are_theirs(tmp_pa
     assert generation.stop_strings == ["</answer>"] and generation.do_sample
     greedy = settings.generation_config(eos_token_id=[2], pad_token_id=0, greedy=True)
     assert not greedy.do_sample and (greedy.top_k, greedy.min_p) == (0, None)
+
+
+def test_colocated_engine_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):
+    from trl_grpo_ext.generation.vllm_colocate import ColocateSettings
+
+    config_fields = {field.name: field for field in dataclasses.fields(GroupRelativeConfig)}
+    for name, attribute in [
+        ("vllm_gpu_memory_utilization", "gpu_memory_utilization"),
+        ("vllm_max_model_length", "max_model_len"),
+        ("vllm_tensor_parallel_size", "tensor_parallel_size"),
+        ("vllm_enable_sleep_mode", "enable_sleep_mode"),
+    ]:
+        assert config_fields[name].default == getattr(ColocateSettings, attribute), name
+    default = make(tmp_path)
+    assert ColocateSettings.from_config(default, lora_rank=None) == ColocateSettings(
+        seed=default.seed
+    )
+    config = make(
+        tmp_path,
+        seed=7,
+        vllm_gpu_memory_utilization=0.5,
+        vllm_max_model_length=1024,
+        vllm_tensor_parallel_size=2,
+    )
+    assert ColocateSettings.from_config(config, lora_rank=16) == ColocateSettings(
+        gpu_memory_utilization=0.5,
+        max_model_len=1024,
+        tensor_parallel_size=2,
+        max_lora_rank=16,
+        seed=7,
+    )

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,3 +180,33 @@ def test_table_and_curve(tmp_path):
     png = plot_training_curve(str(metrics), str(tmp_path / "curve.png"))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert plot_training_curve(str(tmp_path / "none.jsonl"), str(tmp_path / "x.png")) is None
+
+
+def test_on_a_trainer_the_harness_ends_completions_as_training_does(tmp_path):
+    """Through the trainer's producer, a completion stopped at a stop string (no eos; the engine
+    pads it, as `generate` pads a stop) is ended, with the tokens up to the stop, exactly the
+    rollout training would score."""
+    from agent_helpers import ScriptedEngine
+    from trainer_helpers import make_trainer
+
+    trainer = make_trainer(tmp_path, generation_kwargs={"stop": ["</a>"]})
+    tokenizer = trainer.processing_class
+    stopped = tokenizer("so 5</a>", add_special_tokens=False)["input_ids"]
+    pad = tokenizer.pad_token_id
+    trainer.rollouts.engine = ScriptedEngine(lambda context: stopped + [pad] * 3)
+    problems = Dataset.from_list([{"prompt": "2+3=", "answer": "5"}])
+    completions, counts, truncated = evaluation.generate(
+        None,
+        tokenizer,
+        problems["prompt"],
+        max_new_tokens=8,
+        producer=trainer.rollouts,
+        rows=problems.to_list(),
+    )
+    assert completions == [["so 5</a>"]] and counts == [[len(stopped)]]
+    assert truncated == [[False]]
+    rollout = trainer.rollouts.sample(problems.to_list(), trainer.rollouts.sampling, 0)
+    assert rollout.completions[0] == "so 5</a>" and not rollout.is_truncated.any()
+    report = evaluation.evaluate_on_processes(trainer, problems, max_new_tokens=8, num_examples=1)
+    assert report.truncated_fraction == 0.0 and report.mean_completion_tokens == len(stopped)
+    assert report.samples[0]["completion"] == "so 5</a>"

@@ -12,6 +12,7 @@ import multiprocessing
 import pickle
 import random
 import re
+import signal
 import sys
 import textwrap
 import threading
@@ -515,6 +516,29 @@ def test_in_process_scoring_off_the_main_thread():
     start = time.monotonic()  # in the main thread, a SIGALRM timer bounds it (wall clock)
     assert _verify.score_bounded("72", HOSTILE["slow expansion"], 0.3, {}) == [0.0, "timeout"]
     assert time.monotonic() - start < 0.3 + SLACK_S
+
+
+def test_a_deadline_something_swallowed_fires_again():
+    # Python prints and drops an exception raised in a garbage-collector callback or a finaliser;
+    # when the timer's Deadline lands there, the scoring code must still be stopped.
+    swallowed = []
+
+    def slow():
+        while True:
+            try:
+                while True:
+                    pass
+            except _verify.Deadline:
+                if swallowed:
+                    raise
+                swallowed.append(time.monotonic())
+
+    start = time.monotonic()
+    with pytest.raises(_verify.Deadline):
+        _verify.run_with_deadline(0.2, slow)
+    assert len(swallowed) == 1
+    assert time.monotonic() - start < 0.2 + _verify.RETRY_S + SLACK_S
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # disarmed after the call
 
 
 def _score_in_child(completions):

@@ -22,6 +22,7 @@ import torch
 from transformers import TrainingArguments
 
 from .generation.sampling import SamplingSettings
+from .generation.vllm_colocate import ColocateSettings
 from .objective import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -468,7 +469,8 @@ class GroupRelativeConfig(TrainingArguments):
     )
     vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation."})
     vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "Offload vLLM's weights and cache while training."}
+        default=ColocateSettings.enable_sleep_mode,
+        metadata={"help": "Offload vLLM's weights and cache while training."},
     )
     vllm_structured_outputs_regex: str | None = field(
         default=None, metadata={"help": "Regex for vLLM structured outputs."}
@@ -489,13 +491,16 @@ class GroupRelativeConfig(TrainingArguments):
         default=51216, metadata={"help": "Port of the weight-update group of the vLLM server."}
     )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "GPU memory fraction of the colocated vLLM engine."}
+        default=ColocateSettings.gpu_memory_utilization,
+        metadata={"help": "GPU memory fraction of the colocated vLLM engine."},
     )
     vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Context length of the vLLM engine."}
+        default=ColocateSettings.max_model_len,
+        metadata={"help": "Context length of the vLLM engine."},
     )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Tensor-parallel size of the colocated vLLM engine."}
+        default=ColocateSettings.tensor_parallel_size,
+        metadata={"help": "Tensor-parallel size of the colocated vLLM engine."},
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,

@@ -27,10 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from .generation import PromptEncoder, sampling_config
-from .generation.engines import in_eval_mode
-from .generation.rollout import CompletionEnds, eos_token_ids
-from .generation.transformers_engine import TransformersEngine
+from .generation import sampling_config
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
@@ -142,28 +139,33 @@ def generate(
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
     engine=None,
-    tool_turns: Callable | None = None,
+    producer=None,
+    version: int = 0,
     rows: list[dict] | None = None,
 ) -> tuple[list[list], list[list[int]], list[list[bool]]]:
     """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
     sampled ones (no top-k or min-p filter, whatever the checkpoint's `generation_config`
-    says). Prompts are rendered and tokenised as in training (`generation.PromptEncoder`), and
-    sampled by `engine` (`generation.engines`: a trainer's vLLM engine, for example); by
-    default by `model`'s own `generate`, in eval mode.
+    says), sampled through a `RolloutProducer` (`RolloutProducer.sample`), so they are rendered,
+    sampled, cut and counted as training rollouts are.
 
-    With `tool_turns` (a trainer's `trainer.rollouts.tool_turns`), the completions go through
-    the trainer's tools as in training: each is the list of messages reward functions get (the
-    model's turns and the tools' results; the last one holds the answer), its token count
-    includes the results, and `rows` (the dataset's rows, default `{"prompt": ...}`) reset the
-    environments. Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
-    engine = engine or TransformersEngine(lambda: in_eval_mode(model))
-    encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
-    eos_ids = eos_token_ids(model, tokenizer)
-    ends = CompletionEnds.of(eos_ids)  # where completions end, as in training
+    `producer` is a trainer's (`trainer.rollouts`), with its engine at the weights of `version`
+    and its tools and environments, if any: each completion is then the list of messages reward
+    functions get (the model's turns and the tools' results; the last one holds the answer),
+    its token count includes the results, and `rows` (the dataset's rows, default
+    `{"prompt": ...}`) reset the environments. Without one, `model` alone samples
+    (`RolloutProducer.for_model`), by `engine` when given (`generation.engines`), else by its own
+    `generate`, in eval mode, with prompts rendered with `chat_template_kwargs`.
+    Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
+    if producer is None:
+        from .generation.producer import RolloutProducer
+
+        producer = RolloutProducer.for_model(
+            model, tokenizer, chat_template_kwargs=chat_template_kwargs, engine=engine
+        )
     greedy = temperature is None
     config = sampling_config(
         max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids,
+        eos_token_id=producer.eos_token_ids,
         pad_token_id=tokenizer.pad_token_id,
         num_return_sequences=1 if greedy else num_samples,
         greedy=greedy,
@@ -171,27 +173,17 @@ def generate(
         top_p=top_p,
     )
     samples = config.num_return_sequences
+    rows = rows or [{"prompt": prompt} for prompt in prompts]
     outputs, counts, truncated = [], [], []
     step = max(1, batch_size // samples)
-    if tool_turns is not None:
-        rows = rows or [{"prompt": prompt} for prompt in prompts]
-    for start in range(0, len(prompts), step):
-        if tool_turns is not None:
-            turns = tool_turns(rows[start : start + step], engine, config)
-            for row in range(0, len(turns.completions), samples):
-                ids = turns.completion_ids[row : row + samples]
-                outputs.append(turns.completions[row : row + samples])
-                counts.append([len(sample) for sample in ids])
-                truncated.append([not ended for ended in turns.ended[row : row + samples]])
-            continue
-        prompt_ids, prompt_mask = encoder.encode(prompts[start : start + step])  # (B, P)
-        _, _, completion_ids, _ = engine.generate(prompt_ids, prompt_mask, config)  # (B * n, T)
-        ids, _, ended = ends.cut(completion_ids)
-        decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        for row in range(0, len(decoded), samples):
-            outputs.append(decoded[row : row + samples])
-            counts.append([len(sample) for sample in ids[row : row + samples]])
-            truncated.append([not end for end in ended[row : row + samples]])
+    for start in range(0, len(rows), step):
+        rollout = producer.sample(rows[start : start + step], config, version)
+        lengths = rollout.completion_mask.sum(dim=1).tolist()  # (N,)
+        cut = rollout.is_truncated.tolist()
+        for row in range(0, len(rollout), samples):
+            outputs.append(rollout.completions[row : row + samples])
+            counts.append(lengths[row : row + samples])
+            truncated.append(cut[row : row + samples])
     return outputs, counts, truncated
 
 
@@ -209,19 +201,22 @@ def problem_scores(
     format_reward: Callable | None = None,
     chat_template_kwargs: dict | None = None,
     engine=None,
-    tool_turns: Callable | None = None,
+    producer=None,
+    version: int = 0,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
-    (strict, lenient), completion token counts and truncations, and with `tool_turns` (see
-    `generate`) the greedy completion's tool calls and failed calls. `summarize` turns them into
+    (strict, lenient), completion token counts and truncations, and with a `producer` that has
+    tools (see `generate`) the greedy completion's tool calls and failed calls. `summarize` turns them into
     an `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
+    with_tools = producer is not None and producer.tool_loop is not None
     sampling = dict(
         batch_size=batch_size,
         chat_template_kwargs=chat_template_kwargs,
         engine=engine,
-        tool_turns=tool_turns,
-        rows=dataset.to_list() if tool_turns is not None else None,
+        producer=producer,
+        version=version,
+        rows=dataset.to_list() if with_tools else None,
     )
     records = [
         {"prompt": prompt, "answer": answer, "tokens": [], "truncated": []}
@@ -243,7 +238,7 @@ def problem_scores(
             record.update(completion=completions[i], strict=strict[i], lenient=lenient[i])
             record["tokens"] += counts[i]
             record["truncated"] += cut[i]
-            if tool_turns is not None:
+            if with_tools:
                 results = [m for m in completions[i] if m.get("role") == "tool"]
                 record.update(calls=len(results), failed=sum(map(is_failure, results)))
     if num_samples:
@@ -382,7 +377,7 @@ def evaluate_math(
 def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
     """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
     every process gets the same report, and every process must call it. Completions come from
-    the trainer's engine, with its current weights (`RolloutProducer.evaluation_engine`):
+    the trainer's producer (`RolloutProducer.sample`) with its current weights: its engine,
     transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM,
     through the trainer's tools and environments when it has some.
     Before training, the model is first moved to the accelerator's device: under DeepSpeed and
@@ -394,26 +389,17 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
             "The pass@k harness does not take images yet: it would grade answers to the text "
             "alone. Use trainer.evaluate() (mean rewards), which samples with the images."
         )
-    kwargs.setdefault("chat_template_kwargs", trainer.args.chat_template_kwargs)
-    kwargs.setdefault("tool_turns", tool_turns_of(trainer))
     model = place_on_device(trainer)
-    engine = trainer.rollouts.evaluation_engine(trainer.state.global_step)
     return evaluate_sharded(
         model,
         trainer.processing_class,
         dataset,
-        engine=engine,
+        producer=trainer.rollouts,
+        version=trainer.state.global_step,
         k_values=k_values,
         num_examples=num_examples,
         **kwargs,
     )
-
-
-def tool_turns_of(trainer) -> Callable | None:
-    """The trainer's multi-turn sampling (`RolloutProducer.tool_turns`) when it has tools or
-    environments, else None: evaluations then use the tools as training does."""
-    rollouts = trainer.rollouts
-    return rollouts.tool_turns if rollouts.tool_loop is not None else None
 
 
 def place_on_device(trainer):
@@ -453,9 +439,7 @@ def unpad(records: list, num_problems: int, num_processes: int) -> list:
     return kept
 
 
-def evaluate_sharded(
-    model, tokenizer, dataset, *, engine=None, k_values=(1,), num_examples=3, **kwargs
-) -> EvalReport:
+def evaluate_sharded(model, tokenizer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
     """`evaluate_math` with the problems split across the processes and the records gathered:
     the same report on every process, and the same number of `generate` calls on each, so that
     sharded weights (ZeRO-3, FSDP), whose forward passes are collectives, work. Every process
@@ -466,7 +450,7 @@ def evaluate_sharded(
     state = PartialState()
     world = state.num_processes
     indices = shard_indices(len(dataset), state.process_index, world)
-    records = problem_scores(model, tokenizer, dataset.select(indices), engine=engine, **kwargs)
+    records = problem_scores(model, tokenizer, dataset.select(indices), **kwargs)
     if world > 1:
         records = unpad(gather_object(records), len(dataset), world)
     return summarize(
@@ -512,14 +496,13 @@ class PeriodicEvalCallback(TrainerCallback):
     saves: under DeepSpeed ZeRO-3 and FSDP the weights are sharded, and generating with them or
     saving them needs all processes. The main process alone writes the files.
 
-    `engine`, when given, returns the engine to sample with at a step (the trainer's:
-    `lambda step: trainer.rollouts.evaluation_engine(step)`, which gathers ZeRO-3 weights); else
-    the model's own `generate`. `save_model`, when given, saves the best model to a folder and is
+    `producer`, when given, returns the producer to sample with (the trainer's:
+    `lambda: trainer.rollouts`, with its engine, which gathers ZeRO-3 weights, and its tools, as
+    in training; see `generate`); else the model's own `generate`. `save_model`, when given, saves the best model to a folder and is
     called on every process (the trainer's `save_model`, which gathers sharded weights); else
     the main process calls the model's `save_pretrained`. `skip_last_step` leaves out the
     evaluation at the run's last step, for a caller that evaluates (and `record`s) the final
-    weights after training anyway, as the recipe does. `tool_turns`, when given, returns the
-    multi-turn sampling to evaluate with (`lambda: tool_turns_of(trainer)`); see `generate`.
+    weights after training anyway, as the recipe does.
     """
 
     def __init__(
@@ -533,13 +516,11 @@ class PeriodicEvalCallback(TrainerCallback):
         best_dir: str | None = None,
         format_reward: Callable | None = None,
         batch_size: int = 64,
-        engine: Callable | None = None,
+        producer: Callable | None = None,
         save_model: Callable[[str], None] | None = None,
         skip_last_step: bool = False,
-        tool_turns: Callable | None = None,
     ):
-        self.tokenizer, self.dataset, self.engine = tokenizer, dataset, engine
-        self.tool_turns = tool_turns
+        self.tokenizer, self.dataset, self.producer = tokenizer, dataset, producer
         self.save_model, self.skip_last_step = save_model, skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
@@ -595,8 +576,8 @@ class PeriodicEvalCallback(TrainerCallback):
             batch_size=self.batch_size,
             num_examples=0,
             chat_template_kwargs=args.chat_template_kwargs,
-            engine=self.engine(state.global_step) if self.engine else None,
-            tool_turns=self.tool_turns() if self.tool_turns else None,
+            producer=self.producer() if self.producer else None,
+            version=state.global_step,
         )
         self.record(state.global_step, report, model=model)
         return control

@@ -95,6 +95,7 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
     """
     from .data import synthetic_rows
     from .evaluation import generate
+    from .rewards._convention import completion_text
     from .tiny import tiny_model_and_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer(
@@ -129,10 +130,12 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
     targets = [f"\\boxed{{{row['answer']}}}" for row in validation]
 
     def validation_accuracy():
-        texts, _, _ = generate(model, tokenizer, validation_prompts, max_new_tokens=12)
-        return sum(group[0].strip() == target for group, target in zip(texts, targets)) / len(
-            targets
-        )
+        completions, _, _ = generate(model, tokenizer, validation_prompts, max_new_tokens=12)
+        right = [
+            completion_text(group[0]).strip() == target
+            for group, target in zip(completions, targets)
+        ]
+        return sum(right) / len(targets)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(

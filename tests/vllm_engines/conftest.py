@@ -69,12 +69,14 @@ def prompts(tokenizer):
 @pytest.fixture(scope="session")
 def colocate_engine(vllm_model_dir):
     """One colocated engine for the session (vLLM in-process holds one engine per process)."""
-    from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine
+    from trl_grpo_ext.generation.vllm_colocate import ColocateSettings, VLLMColocateEngine
 
     set_num_threads = torch.set_num_threads
     torch.manual_seed(1234)
     rng_before = torch.get_rng_state()
-    engine = VLLMColocateEngine(vllm_model_dir, max_model_len=512, max_lora_rank=MAX_LORA_RANK)
+    engine = VLLMColocateEngine(
+        vllm_model_dir, ColocateSettings(max_model_len=512, max_lora_rank=MAX_LORA_RANK)
+    )
     engine.process_state = dict(
         rng_kept=torch.equal(rng_before, torch.get_rng_state()),
         set_num_threads_kept=torch.set_num_threads is set_num_threads,

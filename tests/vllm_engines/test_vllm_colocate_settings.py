@@ -198,12 +198,12 @@ def test_the_engine_samples_from_the_weights_in_memory(vllm_model_dir, tmp_path)
 
 
 def test_a_head_size_vllms_cpu_build_cannot_run_is_a_clear_error_before_start(tmp_path):
-    from trl_grpo_ext.generation.vllm_colocate import VLLMColocateEngine
+    from trl_grpo_ext.generation.vllm_colocate import ColocateSettings, VLLMColocateEngine
     from trl_grpo_ext.tiny import save_tiny
 
     folder = save_tiny(tmp_path / "heads16", num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="head size 16.*--tiny_num_attention_heads 2"):
-        VLLMColocateEngine(folder, max_model_len=128)
+        VLLMColocateEngine(folder, ColocateSettings(max_model_len=128))
 
 
 def test_full_fine_tuning_publishes_without_copies_and_leaves_no_files(

@@ -396,27 +396,9 @@ def _vllm_engine(args, model_folder, lora_rank):
         engine = VLLMServerEngine(url, timeout=args.vllm_server_timeout, adapter_prefix=prefix)
         engine.wait_until_ready()
         return engine
-    from .vllm_colocate import VLLMColocateEngine
+    from .vllm_colocate import ColocateSettings, VLLMColocateEngine
 
     if not isinstance(model_folder, EngineModel):
         model_folder = EngineModel(str(model_folder))
-    llm_kwargs = {}
-    if model_folder.quantization:
-        llm_kwargs["quantization"] = model_folder.quantization
-    if model_folder.revision and not os.path.isdir(model_folder.folder):
-        llm_kwargs["revision"] = model_folder.revision
-    return VLLMColocateEngine(
-        model_folder,  # the engine keeps it, so a temporary copy lives as long as the engine
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_model_len=args.vllm_max_model_length,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        max_lora_rank=lora_rank,
-        seed=args.seed,
-        process_index=args.process_index,
-        local_process_index=args.local_process_index,
-        world_size=args.world_size,
-        remove_model_folder=model_folder.temporary,
-        takes_base_weights=model_folder.quantization is None,
-        llm_kwargs=llm_kwargs,
-    )
+    # the engine keeps the folder, so a temporary copy lives as long as the engine
+    return VLLMColocateEngine(model_folder, ColocateSettings.from_config(args, lora_rank))

@@ -30,9 +30,11 @@ rounds (`"resample"`) and one for batches sampled outside the schedule (`"outsid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -47,9 +49,9 @@ from .images import (
     refuse_images,
     rows_have_images,
 )
-from .multi_turn import ToolCallFormat, ToolLoop, Turns
+from .multi_turn import ToolCallFormat, ToolLoop
 from .prompts import PromptEncoder, is_conversational
-from .rollout import CompletionEnds, Rollout, assemble_rollout, left_padded
+from .rollout import CompletionEnds, Rollout, assemble_rollout, eos_token_ids, left_padded
 from .sampling import SamplingSettings
 from .transformers_engine import generation_seed
 
@@ -168,29 +170,42 @@ class RolloutProducer:
         owns the engine (`evaluate()` during training), the sampling runs on the worker's
         thread, in turn with its batches."""
         batch, self._scheduled = self._scheduled, None  # a scheduled batch is taken once
-        with_images = rows_have_images(rows)
-        if with_images:
-            self._check_images_supported()
         if batch is not None and self.args.max_staleness is not None:
+            if rows_have_images(rows):
+                self._check_images_supported()
             rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
             return rollout
         seed = None
         if self.engine.own_weights:
             seed = int(torch.randint(0, 2**31 - 1, ()))
+        return self._sample(rows, self.sampling, version, seed)
+
+    def sample(self, rows: list[dict], generation_config, version: int = 0) -> Rollout:
+        """Rollouts of `rows` outside the training schedule (evaluations: `trainer.evaluate`
+        and the evaluation harness, `evaluation.generate`): `generation_config`'s
+        `num_return_sequences` per row, in order, sampled with the weights of `version`
+        (`evaluation_engine`), through the tools when the run has them, and cut, masked and
+        assembled as training rollouts are."""
+        return self._sample(rows, generation_config, version, seed=None)
+
+    def _sample(self, rows, generation_config, version, seed) -> Rollout:
         engine = self.evaluation_engine(version)
+        if rows_have_images(rows):
+            self._check_images_supported()
+            return self._generate_with_images(rows, version, engine, seed, generation_config)
         if self.tool_loop is not None:
-            return self._generate_turns(rows, version, engine, seed, self._outside_slot)
-        if with_images:
-            return self._generate_with_images(rows, version, engine, seed)
+            return self._generate_turns(
+                rows, version, engine, seed, self._outside_slot, generation_config
+            )
         prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
-            prompt_ids, prompt_mask, self.sampling, seed
+            prompt_ids, prompt_mask, generation_config, seed
         )
         return self.build_rollout(
             rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
         )
 
-    def _generate_with_images(self, rows, version, engine, seed) -> Rollout:
+    def _generate_with_images(self, rows, version, engine, seed, generation_config) -> Rollout:
         """Single-turn rollouts of prompts with images: the processor renders and tokenises them
         (image tokens expanded), the engine samples with their multimodal fields, and each
         completion carries its prompt's fields (`images.per_sample`) into training."""
@@ -198,21 +213,18 @@ class RolloutProducer:
         prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
         prompt_ids, prompt_mask, fields = self.encoder.encode_with_images(prompts, images)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
-            prompt_ids, prompt_mask, self.sampling, seed, image_inputs=fields
+            prompt_ids, prompt_mask, generation_config, seed, image_inputs=fields
         )
         group = len(completion_ids) // len(rows)
         image_inputs = per_sample(fields, [len(i) for i in images], prompt_ids.shape[1], group)
-        ids, logps, ended = self.ends.cut(completion_ids, behaviour_logps)
-        prompts = [prompt for prompt in prompts for _ in range(group)]
-        return self._assemble(
+        return self.build_rollout(
             rows,
-            prompts,
             prompt_ids,
             prompt_mask,
-            ids,
-            ended,
-            logps=logps,
-            version=version,
+            completion_ids,
+            behaviour_logps,
+            version,
+            prompts=prompts,
             image_inputs=image_inputs,
         )
 
@@ -223,13 +235,35 @@ class RolloutProducer:
         if unsupported:
             raise ValueError(unsupported)
 
-    def tool_turns(self, rows: list[dict], engine, generation_config) -> Turns:
-        """Multi-turn completions of `rows` through the tools and environments, outside the
-        training schedule (evaluations: `evaluation.generate`), sampled by `engine` (from
-        `evaluation_engine`) with `generation_config`: `num_return_sequences` per row, in order."""
-        group = generation_config.num_return_sequences or 1
-        _, tools, _, encoded = self._start_turns(rows, group, self._outside_slot)
-        return self.tool_loop.run(engine, generation_config, None, *encoded, tools)
+    @classmethod
+    def for_model(cls, model, tokenizer, *, chat_template_kwargs=None, engine=None):
+        """A producer that samples from `model` alone, outside any trainer (the evaluation
+        harness on a bare model, `evaluation.generate`): the config's defaults, prompts rendered
+        with `chat_template_kwargs`, sampled by `engine` (by default `model`'s own `generate`,
+        in eval mode). Sample with `sample`."""
+        from .engines import in_eval_mode
+
+        args = SimpleNamespace(  # what a producer without a trainer reads: the defaults
+            **dataclasses.asdict(SamplingSettings()),
+            chat_template_kwargs=chat_template_kwargs,
+            max_prompt_length=None,
+            num_generations=1,
+            num_generations_eval=None,
+            use_vllm=False,
+            cast_lm_head_to_fp32=False,
+            pad_to_multiple_of=None,
+            max_staleness=None,
+        )
+        producer = cls(
+            args,
+            tokenizer,
+            eos_token_ids(model, tokenizer),
+            policy=lambda: in_eval_mode(model),
+            model=lambda: model,
+        )
+        if engine is not None:
+            producer.engine = engine
+        return producer
 
     @property
     def _outside_slot(self):
@@ -265,15 +299,34 @@ class RolloutProducer:
             self.sampling = self.generation_config
 
     def build_rollout(
-        self, rows, prompt_ids, prompt_mask, completion_ids, behaviour_logps, version
+        self,
+        rows,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        behaviour_logps,
+        version,
+        prompts=None,
+        image_inputs=None,
     ) -> Rollout:
         """A `Rollout` from an engine's `(N, T)` output: each completion cut where it ends
-        (`CompletionEnds`), decoded, the columns repeated per completion."""
+        (`CompletionEnds`), decoded, the columns repeated per completion. `prompts` (one per
+        row) default to the rows' `prompt`; `image_inputs` are the completions' multimodal
+        fields (`images.per_sample`)."""
         group_size = len(completion_ids) // len(rows)
-        prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+        prompts = prompts or [row["prompt"] for row in rows]
+        prompts = [prompt for prompt in prompts for _ in range(group_size)]
         ids, logps, ended = self.ends.cut(completion_ids, behaviour_logps)
         return self._assemble(
-            rows, prompts, prompt_ids, prompt_mask, ids, ended, logps=logps, version=version
+            rows,
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            ids,
+            ended,
+            logps=logps,
+            version=version,
+            image_inputs=image_inputs,
         )
 
     def _assemble(self, rows, prompts, prompt_ids, prompt_mask, ids, ended, **fields) -> Rollout:
@@ -296,12 +349,12 @@ class RolloutProducer:
             **fields,
         )
 
-    def _generate_turns(self, rows, version, engine, seed, slot=0) -> Rollout:
+    def _generate_turns(self, rows, version, engine, seed, slot, generation_config) -> Rollout:
         """Multi-turn rollouts: each of the G rollouts of a row has its own prompt (its
         environment's `reset` may add to it), tools and history."""
-        group = self.sampling.num_return_sequences
+        group = generation_config.num_return_sequences or 1
         prompts, tools, environments, encoded = self._start_turns(rows, group, slot)
-        turns = self.tool_loop.run(engine, self.sampling, seed, *encoded, tools)
+        turns = self.tool_loop.run(engine, generation_config, seed, *encoded, tools)
         return self._turns_rollout(rows, group, prompts, *encoded, turns, environments, version)
 
     def _start_turns(self, rows, group: int, slot):

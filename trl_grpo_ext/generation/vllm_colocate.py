@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -139,23 +140,22 @@ def checkpoint_dtype(model) -> str:
     return str(dtype).removeprefix("torch.") if dtype else "float32"
 
 
-class VLLMColocateEngine(OwnWeights):
-    """Generation with a `vllm.LLM` living in this process.
+@dataclass(frozen=True)
+class ColocateSettings:
+    """How a colocated vLLM engine is built: the config's `vllm_*` settings and this process's
+    place among the training processes, read once (`from_config`).
 
-    Args:
-        model (`str` or `EngineModel`):
-            Folder (or hub id) of the model the trainer starts from; vLLM loads it itself. The
-            engine keeps a reference to it, so a temporary copy lives as long as the engine.
-        gpu_memory_utilization (`float`, *optional*, defaults to 0.3):
+    Attributes:
+        gpu_memory_utilization (`float`):
             Fraction of the GPU's memory vLLM may take for weights and KV cache (TRL's
             `vllm_gpu_memory_utilization`); the trainer keeps the rest. Unused on CPU, where
             `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the cache.
         max_model_len (`int`, *optional*):
             Longest prompt plus completion (TRL's `vllm_max_model_length`); the checkpoint's
             limit when None.
-        tensor_parallel_size (`int`, *optional*, defaults to 1):
+        tensor_parallel_size (`int`):
             GPUs the engine spreads the model over.
-        enable_sleep_mode (`bool`, *optional*, defaults to `False`):
+        enable_sleep_mode (`bool`):
             GPU only: release the engine's memory between generations (`sleep`/`wake_up`).
         max_lora_rank (`int`, *optional*):
             Serve LoRA adapters up to this rank (`publish_adapter`); None for full fine-tuning.
@@ -163,41 +163,63 @@ class VLLMColocateEngine(OwnWeights):
             The engine's weights dtype; the checkpoint's own (`torch_dtype` in its config) when
             None, as `from_pretrained` loads it. (vLLM's "auto" turns float32 into bfloat16 on
             CPU, where the log-probs then differ from the trainer's by up to 0.1.)
-        seed (`int`, *optional*, defaults to 0):
+        seed (`int`):
             The engine's seed (each `generate` call takes its own seed too).
-        process_index, local_process_index, world_size (`int`, *optional*):
+        process_index, local_process_index, world_size (`int`):
             This training process among `world_size` (Accelerate's). With several processes each
             builds its own engine on its own device, as TRL does: vLLM's `external_launcher`
             backend, over the process group the trainer already has.
-        remove_model_folder (`bool`, *optional*, defaults to `False`):
-            `model` is a temporary copy made for this engine; `close` removes it.
-        takes_base_weights (`bool`, *optional*, defaults to `True`):
-            `load_weights` may replace the base weights under LoRA (False for a quantized model,
-            whose weights vLLM quantizes itself).
-        llm_kwargs (`dict`, *optional*):
-            Further `vllm.LLM` arguments (e.g. `dtype`), over the ones above.
+        llm_kwargs (`dict`):
+            Further `vllm.LLM` arguments, over the ones above.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        gpu_memory_utilization: float = 0.3,
-        max_model_len: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        max_lora_rank: int | None = None,
-        dtype: str | None = None,
-        seed: int = 0,
-        process_index: int = 0,
-        local_process_index: int = 0,
-        world_size: int = 1,
-        remove_model_folder: bool = False,
-        takes_base_weights: bool = True,
-        llm_kwargs: dict | None = None,
-    ):
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    max_lora_rank: int | None = None
+    dtype: str | None = None
+    seed: int = 0
+    process_index: int = 0
+    local_process_index: int = 0
+    world_size: int = 1
+    llm_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, args, lora_rank: int | None) -> ColocateSettings:
+        """The settings of `args` (a `GroupRelativeConfig`); `lora_rank`: the adapters' largest
+        rank under LoRA (`engines.lora_rank`), None for full fine-tuning."""
+        return cls(
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.vllm_max_model_length,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            max_lora_rank=lora_rank,
+            seed=args.seed,
+            process_index=args.process_index,
+            local_process_index=args.local_process_index,
+            world_size=args.world_size,
+        )
+
+
+class VLLMColocateEngine(OwnWeights):
+    """Generation with a `vllm.LLM` living in this process.
+
+    Args:
+        model (`str` or `EngineModel`):
+            Folder (or hub id) of the model the trainer starts from; vLLM loads it itself. The
+            engine keeps a reference to it, so a temporary copy lives as long as the engine,
+            and `close` removes it. An `EngineModel` also says how the model was loaded: a
+            quantized one is quantized by vLLM itself (and `load_weights` never replaces its
+            base weights), a Hub id is loaded at its revision.
+        settings (`ColocateSettings`, *optional*): how the engine is built; the defaults when
+            None.
+    """
+
+    def __init__(self, model, settings: ColocateSettings | None = None):
+        settings = settings or ColocateSettings()
         self.model = model  # a temporary `EngineModel` is removed once nothing refers to it
-        if remove_model_folder:  # even when the engine fails to start, or is never closed
+        if getattr(model, "temporary", False):  # even when the engine fails to start
             self._remove_folder = weakref.finalize(self, shutil.rmtree, str(model), True)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -205,41 +227,53 @@ class VLLMColocateEngine(OwnWeights):
         on_cpu = current_platform.is_cpu()
         if on_cpu:
             check_cpu_head_size(model)
-        if enable_sleep_mode and on_cpu:
+        if settings.enable_sleep_mode and on_cpu:
             raise ValueError(
                 "vllm_enable_sleep_mode needs a GPU; vLLM's CPU build has no sleep mode. "
                 "Set vllm_enable_sleep_mode=False."
             )
-        settings = dict(
+        llm_settings = dict(
             model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            seed=seed,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            max_model_len=settings.max_model_len,
+            enable_sleep_mode=settings.enable_sleep_mode,
+            seed=settings.seed,
             # log-probs after temperature and filters: see vllm_sampling
             logprobs_mode="processed_logprobs",
             # sampling settings come from the trainer's config, never the checkpoint's
             generation_config="vllm",
             enforce_eager=on_cpu,
-            dtype=dtype or checkpoint_dtype(model),
+            dtype=settings.dtype or checkpoint_dtype(model),
         )
         if not on_cpu:
-            settings["gpu_memory_utilization"] = gpu_memory_utilization
+            llm_settings["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        max_lora_rank = settings.max_lora_rank
         if max_lora_rank is not None:
             max_lora_rank = supported_lora_rank(max_lora_rank)
-            settings.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-        if world_size > 1:
-            settings.update(_distributed_settings(process_index, local_process_index, world_size))
-        settings.update(llm_kwargs or {})
+            llm_settings.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if settings.world_size > 1:
+            llm_settings.update(
+                _distributed_settings(
+                    settings.process_index, settings.local_process_index, settings.world_size
+                )
+            )
+        quantization = getattr(model, "quantization", None)
+        if quantization:  # vLLM quantizes the checkpoint itself
+            llm_settings["quantization"] = quantization
+        revision = getattr(model, "revision", None)
+        if revision and not os.path.isdir(str(model)):
+            llm_settings["revision"] = revision
+        llm_settings.update(settings.llm_kwargs)
         with _process_state_kept(), in_private_folder():
-            self.llm = LLM(**settings)
+            self.llm = LLM(**llm_settings)
         self.max_lora_rank = max_lora_rank
-        self.takes_base_weights = takes_base_weights
-        self.enable_sleep_mode = enable_sleep_mode
+        # `load_weights` may replace the base weights under LoRA, unless vLLM quantized them
+        self.takes_base_weights = quantization is None
+        self.enable_sleep_mode = settings.enable_sleep_mode
         self.adapter = None  # the LoRARequest of the latest published version
         self.adapter_version = None
         self._adapter_ids = 0
-        if enable_sleep_mode:
+        if self.enable_sleep_mode:
             self.llm.sleep(level=1)
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):

@@ -80,6 +80,9 @@ _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
 
+RETRY_S = 0.05  # how soon a Deadline fires again when something swallowed it
+
+
 class Deadline(BaseException):
     """Raised by the timer signal. A BaseException so that math-verify's `except Exception`
     blocks do not swallow it and carry on with the next comparison."""
@@ -366,7 +369,9 @@ def run_with_deadline(seconds: float, function, cpu_time: bool = False):
         raise Deadline
 
     previous = signal.signal(signum, on_timer)
-    signal.setitimer(timer, seconds)
+    # The timer repeats: a Deadline raised inside a garbage-collector callback or a finaliser is
+    # printed and dropped by Python, so the next tick raises it again in the scoring code.
+    signal.setitimer(timer, seconds, RETRY_S)
     try:
         return function()
     finally:
