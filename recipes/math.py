@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 # This folder holds a file named math.py, which would shadow the standard library's `math` for
 # every import below when a script here runs (Python puts the script's folder first on sys.path).
@@ -29,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
-from trl_grpo_ext.checkpoints import checkpoint_step, resolve_resume
+from trl_grpo_ext.checkpoints import resolve_resume
 from trl_grpo_ext.data import (
     check_chat_template,
     dataset_hub_id,
@@ -40,10 +39,9 @@ from trl_grpo_ext.evaluation import (
     MetricsJsonlCallback,
     PeriodicEvalCallback,
     before_after_table,
+    draw_reward_curve,
     evaluate_on_processes,
-    keep_records_up_to,
-    plot_training_curve,
-    set_aside,
+    start_metrics_log,
 )
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
@@ -54,6 +52,7 @@ from trl_grpo_ext.script_args import (
     load_tools,
     resolve_model_path,
     resume_argument,
+    take_push_settings,
 )
 
 
@@ -62,9 +61,7 @@ def main(script_args, training_args, model_args):
     set_seed(training_args.seed)
     if script_args.torch_num_threads:
         torch.set_num_threads(script_args.torch_num_threads)
-    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
-    # The token stays in this function: the Trainer pickles its arguments to training_args.bin.
-    hub_token, training_args.hub_token = training_args.hub_token, None
+    push_to_hub, hub_token = take_push_settings(training_args)  # the token stays in here
     os.makedirs(training_args.output_dir, exist_ok=True)
 
     # Data: training problems, and held-out problems for evaluation.
@@ -126,16 +123,11 @@ def main(script_args, training_args, model_args):
     eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
     # The metrics log: a resumed run keeps the records up to its checkpoint; a new run in a
     # folder that holds a log keeps that log under another name. Nothing is deleted.
-    metrics_path = os.path.join(training_args.output_dir, "metrics.jsonl")
     resume = resume_argument(training_args.resume_from_checkpoint)
     if resume:
         resume = resolve_resume(resume, training_args.output_dir)
-    if PartialState().is_main_process and os.path.exists(metrics_path):
-        if resume:
-            kept = keep_records_up_to(metrics_path, checkpoint_step(resume))
-        else:
-            kept = set_aside(metrics_path)
-        print(f"The earlier metrics log of {training_args.output_dir} is kept as {kept}.")
+    is_main = PartialState().is_main_process
+    metrics_path = start_metrics_log(training_args.output_dir, resume, is_main)
     periodic = PeriodicEvalCallback(
         tokenizer,
         eval_dataset,
@@ -227,22 +219,6 @@ def main(script_args, training_args, model_args):
         f"held-out accuracy: {before.greedy_lenient:.1%} -> {after.greedy_lenient:.1%}", flush=True
     )
     return trainer, before, after
-
-
-def draw_reward_curve(metrics_path: str, png_path: str) -> bool:
-    """Draws `reward_curve.png`; without matplotlib, or if drawing fails, warns and returns False."""
-    try:
-        return plot_training_curve(metrics_path, png_path) is not None
-    except ImportError as error:
-        reason = f"{error}; install matplotlib (`pip install matplotlib`) to get it"
-    except Exception as error:  # noqa: BLE001 - everything else is saved; the plot is extra
-        reason = f"{type(error).__name__}: {error}"
-    warnings.warn(
-        f"The reward curve was not drawn ({reason}). The adapter, metrics.jsonl and "
-        f"before_after.md are saved; `plot_training_curve` draws it from metrics.jsonl later.",
-        stacklevel=2,
-    )
-    return False
 
 
 if __name__ == "__main__":

