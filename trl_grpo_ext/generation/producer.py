@@ -696,7 +696,8 @@ class _OnWorkerThread:
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         engine = self.producer.engine
+        images = () if image_inputs is None else (image_inputs,)  # a text-only engine need not take it
         return self.producer._on_worker_thread(
             self.version,
-            lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed, image_inputs),
+            lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed, *images),
         )
