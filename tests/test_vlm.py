@@ -509,10 +509,29 @@ def test_joined_rollouts_keep_each_rows_images():
     assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [2.0, 3.0, 1.0]
 
 
-def test_the_pass_at_k_harness_refuses_images(tmp_path):
-    """It samples from text prompts only for now; `trainer.evaluate()` takes images."""
+def test_the_pass_at_k_harness_samples_with_the_images(tmp_path):
+    """The harness samples through the trainer's producer: each problem's completions come
+    from its own image, the image token is never sampled, and answers are graded per
+    problem."""
     from trl_grpo_ext.evaluation import evaluate_on_processes
 
     trainer = vlm_trainer(tmp_path)
-    with pytest.raises(ValueError, match="does not take images yet"):
-        evaluate_on_processes(trainer, color_rows(repeat=1))
+    engine, seen = trainer.rollouts.engine, []
+    generate = engine.generate
+
+    def recording(prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
+        seen.append((image_inputs["pixel_values"], generation_config.suppress_tokens))
+        outputs = generate(prompt_ids, prompt_mask, generation_config, seed, image_inputs)
+        assert not (outputs[2] == trainer.processing_class.image_token_id).any()
+        return outputs
+
+    engine.generate = recording
+    dataset = color_rows(repeat=1)
+    report = evaluate_on_processes(trainer, dataset, max_new_tokens=4, num_samples=2)
+    assert report.num_problems == 2 and report.num_samples == 2
+    assert report.greedy_lenient == 0.0  # "red" and "blue" are not numbers math_accuracy grades
+    expected = expected_pixel_values(trainer.processing_class, list(dataset))
+    token = trainer.processing_class.image_token_id
+    assert [torch.equal(values, expected) for values, _ in seen] == [True, True]  # greedy, pass@k
+    assert all(suppressed == [token] for _, suppressed in seen)
+    assert 0 < report.mean_completion_tokens <= 4

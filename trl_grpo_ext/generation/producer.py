@@ -30,6 +30,7 @@ rounds (`"resample"`) and one for batches sampled outside the schedule (`"outsid
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import warnings
@@ -185,7 +186,12 @@ class RolloutProducer:
         and the evaluation harness, `evaluation.generate`): `generation_config`'s
         `num_return_sequences` per row, in order, sampled with the weights of `version`
         (`evaluation_engine`), through the tools when the run has them, and cut, masked and
-        assembled as training rollouts are."""
+        assembled as training rollouts are. The tokens the run never samples (a VLM's image
+        token) are suppressed whatever `generation_config` says."""
+        suppressed = self.generation_config.suppress_tokens
+        if suppressed and generation_config.suppress_tokens != suppressed:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.suppress_tokens = suppressed
         return self._sample(rows, generation_config, version, seed=None)
 
     def _sample(self, rows, generation_config, version, seed) -> Rollout:
@@ -696,7 +702,9 @@ class _OnWorkerThread:
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         engine = self.producer.engine
-        images = () if image_inputs is None else (image_inputs,)  # a text-only engine need not take it
+        images = (
+            () if image_inputs is None else (image_inputs,)
+        )  # a text-only engine need not take it
         return self.producer._on_worker_thread(
             self.version,
             lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed, *images),
