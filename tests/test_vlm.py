@@ -1,6 +1,8 @@
 """Vision-language GRPO (issue 28): the tiny VLM built in code, the errors that keep a dataset
 with images from training on its text alone, and images through the transformers engine."""
 
+import json
+
 import pytest
 import torch
 from datasets import Dataset
@@ -167,11 +169,10 @@ def shout(text: str) -> str:
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"max_staleness": 1}, "max_staleness"),
         ({"tools": [shout]}, "tools or environment_factory"),
         ({"rollout_func": lambda prompts, trainer: {}}, "rollout_func does not receive images"),
     ],
-    ids=["max_staleness", "tools", "rollout_func"],
+    ids=["tools", "rollout_func"],
 )
 def test_paths_that_do_not_carry_images_yet_are_errors(tmp_path, config, match):
     with pytest.raises(ValueError, match=match):
@@ -302,6 +303,115 @@ def test_resume_inside_a_generation_window_with_images_is_bit_identical(tmp_path
     assert logs(resumed) == logs(straight)  # step 1 comes back with the trainer state
 
 
+# ------------------------------------------------------------ the asynchronous worker
+
+
+def expected_pixel_values(processor, rows):
+    """Each row's own image through the processor: `(rows, 3, 16, 16)`."""
+    values = [processor.image_processor(images=[row["image"]], return_tensors="pt") for row in rows]
+    return torch.cat([value["pixel_values"] for value in values])
+
+
+def test_the_process_worker_samples_with_the_images():
+    """The rollout worker's process gets the processor's fields: it samples what the model
+    samples in this process with the same images and seed, and other images give other
+    log-probs."""
+    from transformers import GenerationConfig
+
+    from trl_grpo_ext.generation.process_worker import ProcessEngine, sample_batch
+
+    model, processor = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+    text = processor.apply_chat_template(image_prompt(), tokenize=False, add_generation_prompt=True)
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, max_new_tokens=4, num_return_sequences=3, pad_token_id=0
+    )
+
+    def inputs(colors):
+        images = [[image(color)] for color in colors]
+        encoded = processor(text=[text] * len(colors), images=images, return_tensors="pt")
+        prompt_ids, prompt_mask = encoded.pop("input_ids"), encoded.pop("attention_mask")
+        return prompt_ids, prompt_mask, dict(encoded)
+
+    engine = ProcessEngine(model)
+    try:
+        ids, mask, fields = inputs([RED, BLUE])
+        *_, completion_ids, logps = engine.generate(ids, mask, config, 7, image_inputs=fields)
+        *_, other_ids, other_logps = engine.generate(ids, mask, config, 7, *inputs([BLUE, RED])[2:])
+    finally:
+        engine.close()
+    *_, local_ids, local_logps = sample_batch(model.eval(), (ids, mask), config, 7, fields)
+    assert torch.equal(completion_ids, local_ids)  # 1 CPU thread there: log-probs round apart
+    torch.testing.assert_close(logps, local_logps, rtol=1e-5, atol=1e-5)
+    assert (logps - other_logps).abs().max() > 1e-2
+
+
+class Recording(GroupRelativeTrainer):
+    """Keeps the rollouts `generate_rollouts` returns (in every mode, the asynchronous one
+    included), with the rows they were asked for."""
+
+    def generate_rollouts(self, rows):
+        rollout = super().generate_rollouts(rows)
+        self.recorded = [*getattr(self, "recorded", []), (rows, rollout)]
+        return rollout
+
+
+def test_with_max_staleness_each_completion_carries_its_own_image(tmp_path):
+    """Rollouts sampled ahead by the rollout worker (a process of its own) carry each prompt's
+    own pixel values into training, as synchronous ones do; the adapters train."""
+    trainer = vlm_trainer(tmp_path, max_steps=3, max_staleness=1)
+    trainer.__class__ = Recording
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
+    assert [entry["async/staleness"] for entry in steps] == [0.0, 1.0, 1.0]
+    # Sampled by the same weights, the worker's log-probs are the trainer's, which see the images
+    assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert any(entry["grad_norm"] > 0 for entry in steps)
+    processor = trainer.processing_class
+    assert len(trainer.recorded) == 3
+    for rows, rollout in trainer.recorded:
+        expected = expected_pixel_values(processor, rows).repeat_interleave(4, dim=0)
+        assert torch.equal(rollout.image_inputs["pixel_values"][:, 0], expected)
+        assert ((rollout.prompt_ids == processor.image_token_id).sum(1) == 4).all()
+        assert not (rollout.completion_ids == processor.image_token_id).any()
+
+
+def test_asynchronous_resume_with_images_is_bit_identical(tmp_path):
+    """The batch in flight at a checkpoint comes back from it, identified by its prompt tokens
+    and its images; resumed, the run ends with the same weights and logs. The same prompts with
+    other images are sampled again, with a warning."""
+    run = dict(max_steps=3, max_staleness=1, save_strategy="steps", save_steps=1)
+    straight = vlm_trainer(tmp_path / "straight", **run)
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-1"
+    _, manifest = rollout_state_paths(str(checkpoint))
+    with open(manifest) as handle:
+        in_flight = json.load(handle)["in_flight"]
+    assert in_flight and all(entry["images"] for entry in in_flight)
+
+    def weights(trainer):
+        return {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    def logs(trainer):
+        return [
+            {k: v for k, v in entry.items() if k != "step_time"}
+            for entry in trainer.state.log_history
+            if "loss" in entry
+        ]
+
+    resumed = vlm_trainer(tmp_path / "resumed", **{**run, "save_strategy": "no"})
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    first, second = weights(straight), weights(resumed)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert logs(resumed) == logs(straight)
+
+    swapped = color_rows().map(
+        lambda row: {"image": image(BLUE if row["answer"] == "red" else RED)}
+    )
+    other = vlm_trainer(tmp_path / "other", swapped, **{**run, "save_strategy": "no"})
+    with pytest.warns(UserWarning, match="sampled for other prompts"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+
+
 # ------------------------------------------------------------------ per-sample fields
 
 
@@ -399,10 +509,29 @@ def test_joined_rollouts_keep_each_rows_images():
     assert inputs["pixel_values"][:, 0, 0, 0].tolist() == [2.0, 3.0, 1.0]
 
 
-def test_the_pass_at_k_harness_refuses_images(tmp_path):
-    """It samples from text prompts only for now; `trainer.evaluate()` takes images."""
+def test_the_pass_at_k_harness_samples_with_the_images(tmp_path):
+    """The harness samples through the trainer's producer: each problem's completions come
+    from its own image, the image token is never sampled, and answers are graded per
+    problem."""
     from trl_grpo_ext.evaluation import evaluate_on_processes
 
     trainer = vlm_trainer(tmp_path)
-    with pytest.raises(ValueError, match="does not take images yet"):
-        evaluate_on_processes(trainer, color_rows(repeat=1))
+    engine, seen = trainer.rollouts.engine, []
+    generate = engine.generate
+
+    def recording(prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
+        seen.append((image_inputs["pixel_values"], generation_config.suppress_tokens))
+        outputs = generate(prompt_ids, prompt_mask, generation_config, seed, image_inputs)
+        assert not (outputs[2] == trainer.processing_class.image_token_id).any()
+        return outputs
+
+    engine.generate = recording
+    dataset = color_rows(repeat=1)
+    report = evaluate_on_processes(trainer, dataset, max_new_tokens=4, num_samples=2)
+    assert report.num_problems == 2 and report.num_samples == 2
+    assert report.greedy_lenient == 0.0  # "red" and "blue" are not numbers math_accuracy grades
+    expected = expected_pixel_values(trainer.processing_class, list(dataset))
+    token = trainer.processing_class.image_token_id
+    assert [torch.equal(values, expected) for values, _ in seen] == [True, True]  # greedy, pass@k
+    assert all(suppressed == [token] for _, suppressed in seen)
+    assert 0 < report.mean_completion_tokens <= 4

@@ -202,6 +202,7 @@ def save_rollout_state(
                 "version": pending.batch.version,
                 "seed": pending.seed,
                 "prompt_tokens": pending.prompt_tokens,
+                "images": pending.images,
             }
         )
     manifest = {
@@ -280,6 +281,7 @@ def load_rollout_state(
             entry["prompt_tokens"],
             entry["seed"],
             GeneratedBatch(index, entry["version"], *generated),
+            entry.get("images"),
         )
     return RolloutState(
         global_step=manifest["global_step"],

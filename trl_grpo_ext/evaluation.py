@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from .generation import sampling_config
+from .generation.images import text_tokenizer
 from .rewards import math_accuracy
 from .rewards._convention import completion_text
 from .rewards._verify import boxed_answers
@@ -152,7 +153,7 @@ def generate(
     and its tools and environments, if any: each completion is then the list of messages reward
     functions get (the model's turns and the tools' results; the last one holds the answer),
     its token count includes the results, and `rows` (the dataset's rows, default
-    `{"prompt": ...}`) reset the environments. Without one, `model` alone samples
+    `{"prompt": ...}`) reset the environments and give the prompts' images, if any. Without one, `model` alone samples
     (`RolloutProducer.for_model`), by `engine` when given (`generation.engines`), else by its own
     `generate`, in eval mode, with prompts rendered with `chat_template_kwargs`.
     Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
@@ -166,7 +167,7 @@ def generate(
     config = sampling_config(
         max_new_tokens=max_new_tokens,
         eos_token_id=producer.eos_token_ids,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=text_tokenizer(tokenizer).pad_token_id,
         num_return_sequences=1 if greedy else num_samples,
         greedy=greedy,
         temperature=1.0 if greedy else temperature,
@@ -216,7 +217,7 @@ def problem_scores(
         engine=engine,
         producer=producer,
         version=version,
-        rows=dataset.to_list() if with_tools else None,
+        rows=list(dataset) if producer is not None else None,  # decoded: images as PIL images
     )
     records = [
         {"prompt": prompt, "answer": answer, "tokens": [], "truncated": []}
@@ -379,16 +380,10 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
     every process gets the same report, and every process must call it. Completions come from
     the trainer's producer (`RolloutProducer.sample`) with its current weights: its engine,
     transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM,
-    through the trainer's tools and environments when it has some.
+    through the trainer's tools and environments when it has some, with the dataset's images
+    when it has some (a vision-language model's trainer).
     Before training, the model is first moved to the accelerator's device: under DeepSpeed and
     FSDP the Trainer leaves it where it was loaded (the CPU) until `train()`."""
-    from .generation.images import dataset_has_images
-
-    if dataset_has_images(dataset):
-        raise ValueError(
-            "The pass@k harness does not take images yet: it would grade answers to the text "
-            "alone. Use trainer.evaluate() (mean rewards), which samples with the images."
-        )
     model = place_on_device(trainer)
     return evaluate_sharded(
         model,

@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from .images import digest
 from .multi_turn import Turns
 
 
@@ -57,8 +58,9 @@ class RolloutWorker(Protocol):
     def submit(
         self, index: int, prompts: tuple[torch.Tensor, torch.Tensor], seed: int, tools=None
     ) -> None:
-        """Queues batch `index`: `prompts` is `(prompt_ids, prompt_mask)`, left-padded;
-        `tools` (a multi-turn batch) each rollout's tools, one completion per prompt."""
+        """Queues batch `index`: `prompts` is `(prompt_ids, prompt_mask)`, left-padded, and for
+        prompts with images the processor's multimodal fields third; `tools` (a multi-turn
+        batch) each rollout's tools, one completion per prompt."""
 
     def result(self, index: int) -> GeneratedBatch: ...
 
@@ -132,6 +134,7 @@ class InFlightBatch:
     prompt_tokens: list[list[int]]  # each prompt's ids, padding removed
     seed: int
     batch: GeneratedBatch
+    images: str | None = None  # the fingerprint of the prompts' images (`images.digest`)
 
 
 class ResumableWorker:
@@ -139,8 +142,8 @@ class ResumableWorker:
 
     It remembers the prompts and seed of each batch submitted and not yet taken. `in_flight()`
     waits for those batches and keeps them for `result`; a worker built with `restored` batches
-    serves one of them, instead of generating it, when it is submitted with the same prompts and
-    seed. Multi-turn batches (submitted with `tools`) are not kept: their rewards come from
+    serves one of them, instead of generating it, when it is submitted with the same prompts
+    (and images) and seed. Multi-turn batches (submitted with `tools`) are not kept: their rewards come from
     environments that live in this process only, so a resumed run samples them again
     (`not_kept()` lists those in flight).
 
@@ -152,7 +155,7 @@ class ResumableWorker:
     def __init__(self, worker, restored: dict[int, InFlightBatch] | None = None):
         self.worker = worker
         self._restored = dict(restored or {})
-        self._requests: dict[int, tuple[list[list[int]], int]] = {}
+        self._requests: dict[int, tuple[list[list[int]], int, str | None]] = {}
         self._finished: dict[int, GeneratedBatch] = {}
         self._not_kept: set[int] = set()  # multi-turn batches in flight
 
@@ -164,13 +167,13 @@ class ResumableWorker:
             self._not_kept.add(index)
             self.worker.submit(index, prompts, seed, tools)
             return
-        prompt_ids, prompt_mask = prompts
+        prompt_ids, prompt_mask, *images = prompts
         tokens = [ids[keep.bool()].tolist() for ids, keep in zip(prompt_ids, prompt_mask)]
-        request = (tokens, seed)
+        request = (tokens, seed, digest(images[0] if images else None))
         self._requests[index] = request
         restored = self._restored.pop(index, None)
         if restored is not None:
-            if (restored.prompt_tokens, restored.seed) == request:
+            if (restored.prompt_tokens, restored.seed, restored.images) == request:
                 self._finished[index] = restored.batch
                 return
             warnings.warn(
@@ -194,8 +197,8 @@ class ResumableWorker:
             if index not in self._finished:
                 self._finished[index] = self.worker.result(index)
         return {
-            index: InFlightBatch(tokens, seed, self._finished[index])
-            for index, (tokens, seed) in sorted(self._requests.items())
+            index: InFlightBatch(tokens, seed, self._finished[index], images)
+            for index, (tokens, seed, images) in sorted(self._requests.items())
         }
 
     def not_kept(self) -> list[int]:

@@ -149,7 +149,10 @@ class EngineWorker:
         self._raise_failure()
         version = self.engine.version  # no update runs on this thread until the batch is done
         if tools is None:
-            tensors = self.engine.generate(*prompts, self.generation_config, seed)
+            prompt_ids, prompt_mask, *images = prompts  # images: the processor's fields, if any
+            tensors = self.engine.generate(
+                prompt_ids, prompt_mask, self.generation_config, seed, *images
+            )
             return GeneratedBatch(index, version, *tensors)
         turns = self.tool_loop.run(self.engine, self.generation_config, seed, *prompts, tools)
         return GeneratedBatch(index, version, *prompts, None, None, turns=turns)

@@ -125,11 +125,9 @@ ROLLOUT_FUNC_WITH_IMAGES = (
 def images_unsupported(args, multi_turn: bool = False, engine=None) -> str | None:
     """Why prompts with images cannot be sampled with these settings (each path not yet
     covered would sample from their text alone), or None when they can: single-turn, the
-    transformers engine in the training process."""
+    transformers engine, in the training process or the asynchronous rollout worker's."""
     if getattr(args, "use_vllm", False):
         what = "use_vllm=True (vLLM does not receive the images yet)"
-    elif getattr(args, "max_staleness", None) is not None:
-        what = "max_staleness (the asynchronous rollout worker does not receive the images yet)"
     elif multi_turn:
         what = "tools or environment_factory (multi-turn rollouts do not carry images yet)"
     elif engine is not None and not getattr(engine, "takes_images", False):
@@ -139,7 +137,8 @@ def images_unsupported(args, multi_turn: bool = False, engine=None) -> str | Non
     return (
         f"The dataset has images, which {what} would drop: the model would train on the "
         "text alone. Images are supported with single-turn rollouts on the transformers "
-        "engine: unset that setting, or drop the images from the dataset."
+        "engine (max_staleness included): unset that setting, or drop the images from the "
+        "dataset."
     )
 
 
@@ -149,9 +148,24 @@ def refuse_images(engine, image_inputs) -> None:
     if image_inputs:
         raise ValueError(
             f"{type(engine).__name__} does not take images yet: it would sample from the "
-            "prompts' text alone. Images are supported with the transformers engine in the "
-            "training process (use_vllm=False, max_staleness unset)."
+            "prompts' text alone. Images are supported with the transformers engine "
+            "(use_vllm=False)."
         )
+
+
+def digest(fields: dict[str, torch.Tensor] | None) -> str | None:
+    """A fingerprint of the processor's fields of a batch (None without images): a batch sampled
+    for other images is not the one asked for, even with the same prompt tokens."""
+    if not fields:
+        return None
+    import hashlib
+
+    hashed = hashlib.sha256()
+    for name in sorted(fields):
+        value = fields[name].detach().cpu().contiguous()
+        hashed.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+        hashed.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return hashed.hexdigest()
 
 
 def image_token_id(processor, model=None) -> int | None:

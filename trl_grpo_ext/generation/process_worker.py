@@ -21,17 +21,20 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from .images import refuse_images
 from .transformers_engine import generate_with_transformers, seeded
 from .weights import OwnWeights
 
 
-def sample_batch(model, prompts, generation_config, seed):
+def sample_batch(model, prompts, generation_config, seed, image_inputs=None):
     """Samples one generation batch and the behaviour log-probs of its tokens (from the
     sampling pass's own logits, as a server backend such as vLLM reports them)."""
     with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
         return generate_with_transformers(
-            model, *prompts, generation_config=generation_config, return_logprobs=True
+            model,
+            *prompts,
+            generation_config=generation_config,
+            return_logprobs=True,
+            image_inputs=image_inputs,
         )
 
 
@@ -49,9 +52,9 @@ def _worker_main(model, threads, requests, results):
                 for name, value in weights.items():
                     parameters[name].copy_(value)
             continue
-        _, prompts, generation_config, seed = message
+        _, prompts, generation_config, seed, image_inputs = message
         try:
-            results.put(sample_batch(model, prompts, generation_config, seed))
+            results.put(sample_batch(model, prompts, generation_config, seed, image_inputs))
         except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
             results.put(traceback.format_exc())
 
@@ -66,6 +69,8 @@ class ProcessEngine(OwnWeights):
         threads (`int`, *optional*, defaults to 1): CPU threads of the process
             (`rollout_worker_threads`).
     """
+
+    takes_images = True  # `generate` takes the processor's multimodal fields
 
     def __init__(self, model, threads: int = 1):
         # fork needs no importable __main__ and shares the copied model without pickling. Neither
@@ -103,11 +108,12 @@ class ProcessEngine(OwnWeights):
         Returns:
             `(prompt_ids, prompt_mask, completion_ids, logps)`, as
             `generate_with_transformers(..., return_logprobs=True)`, with the log-probs 0 after
-            each completion's end.
+            each completion's end. `image_inputs` are the prompts' multimodal fields, as the
+            processor returned them.
         """
-        refuse_images(self, image_inputs)
+        request = ("generate", (prompt_ids, prompt_mask), generation_config, seed, image_inputs)
         with self._lock:
-            self._requests.put(("generate", (prompt_ids, prompt_mask), generation_config, seed))
+            self._requests.put(request)
             while True:
                 try:
                     payload = self._results.get(timeout=5)

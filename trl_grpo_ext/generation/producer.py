@@ -30,6 +30,7 @@ rounds (`"resample"`) and one for batches sampled outside the schedule (`"outsid
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import warnings
@@ -46,7 +47,6 @@ from .images import (
     images_unsupported,
     per_sample,
     prompt_with_images,
-    refuse_images,
     rows_have_images,
 )
 from .multi_turn import ToolCallFormat, ToolLoop
@@ -133,6 +133,7 @@ class RolloutProducer:
         self._upcoming: dict[int, tuple] = {}  # index -> `_request`: (prompts, seed[, tools])
         self._engine_worker: EngineWorker | None = None  # while it owns the engine
         self._started: dict[int, tuple[list, list | None]] = {}  # index -> (prompts, environments)
+        self._with_images: dict[int, tuple] = {}  # index -> (prompts, fields, image counts)
         self._requested_rows: dict[int, list[dict]] = {}  # index -> the rows it was asked for
         self._scheduled: ScheduledBatch | None = None  # set by `scheduled`
         self._warned_rows_changed = False
@@ -185,7 +186,12 @@ class RolloutProducer:
         and the evaluation harness, `evaluation.generate`): `generation_config`'s
         `num_return_sequences` per row, in order, sampled with the weights of `version`
         (`evaluation_engine`), through the tools when the run has them, and cut, masked and
-        assembled as training rollouts are."""
+        assembled as training rollouts are. The tokens the run never samples (a VLM's image
+        token) are suppressed whatever `generation_config` says."""
+        suppressed = self.generation_config.suppress_tokens
+        if suppressed and generation_config.suppress_tokens != suppressed:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.suppress_tokens = suppressed
         return self._sample(rows, generation_config, version, seed=None)
 
     def _sample(self, rows, generation_config, version, seed) -> Rollout:
@@ -209,20 +215,41 @@ class RolloutProducer:
         """Single-turn rollouts of prompts with images: the processor renders and tokenises them
         (image tokens expanded), the engine samples with their multimodal fields, and each
         completion carries its prompt's fields (`images.per_sample`) into training."""
-        prepared = [prompt_with_images(row) for row in rows]
-        prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
-        prompt_ids, prompt_mask, fields = self.encoder.encode_with_images(prompts, images)
+        prompts, (prompt_ids, prompt_mask, fields), counts = self._encode_images(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, generation_config, seed, image_inputs=fields
         )
+        return self._rollout_with_images(
+            rows,
+            prompts,
+            fields,
+            counts,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            behaviour_logps,
+            version,
+        )
+
+    def _encode_images(self, rows):
+        """The rows' prompts with their images in their messages, those rendered and tokenised by
+        the processor `(prompt_ids, prompt_mask, fields)`, and each prompt's image count."""
+        prepared = [prompt_with_images(row) for row in rows]
+        prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
+        return prompts, self.encoder.encode_with_images(prompts, images), [len(i) for i in images]
+
+    def _rollout_with_images(
+        self, rows, prompts, fields, counts, prompt_ids, prompt_mask, completion_ids, logps, version
+    ) -> Rollout:
+        """`build_rollout` with each completion carrying its prompt's fields (`per_sample`)."""
         group = len(completion_ids) // len(rows)
-        image_inputs = per_sample(fields, [len(i) for i in images], prompt_ids.shape[1], group)
+        image_inputs = per_sample(fields, counts, prompt_ids.shape[1], group)
         return self.build_rollout(
             rows,
             prompt_ids,
             prompt_mask,
             completion_ids,
-            behaviour_logps,
+            logps,
             version,
             prompts=prompts,
             image_inputs=image_inputs,
@@ -481,6 +508,7 @@ class RolloutProducer:
         else:
             self._upcoming = {i: v for i, v in self._upcoming.items() if i >= index}
             self._requested_rows = {i: v for i, v in self._requested_rows.items() if i >= index}
+            self._with_images = {i: v for i, v in self._with_images.items() if i >= index}
             step_rows = [rows] + self._lookahead[:: args.gradient_accumulation_steps]
             for ahead, batch_rows in enumerate(step_rows):
                 if index + ahead not in self._upcoming:
@@ -496,6 +524,7 @@ class RolloutProducer:
                 # An override of `generate_rollouts` changed the rows after they were sent ahead.
                 self._warn_rows_changed()
                 self._started.pop(index, None)
+                self._with_images.pop(index, None)
                 batch, staleness = self._generate_now(rows, index, 0, version, seed)
                 index = batch.index
         self.staleness_counts[staleness] = self.staleness_counts.get(staleness, 0) + 1
@@ -509,6 +538,20 @@ class RolloutProducer:
                 batch.prompt_mask,
                 batch.turns,
                 environments,
+                batch.version,
+            )
+            return rollout, staleness
+        if index in self._with_images:
+            prompts, fields, counts = self._with_images.pop(index)
+            rollout = self._rollout_with_images(
+                rows,
+                prompts,
+                fields,
+                counts,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.behaviour_logps,
                 batch.version,
             )
             return rollout, staleness
@@ -543,7 +586,13 @@ class RolloutProducer:
 
     def _request(self, rows, index: int, seed: int, slot) -> tuple:
         """What the worker is sent for batch `index`: `(prompts, seed)`, and for a multi-turn
-        batch, started now with the environments of `slot`, `(prompts, seed, tools)`."""
+        batch, started now with the environments of `slot`, `(prompts, seed, tools)`. The
+        prompts are `(prompt_ids, prompt_mask)`, with the processor's fields third for prompts
+        with images (kept for `consume` with the prompts' messages)."""
+        if rows_have_images(rows):
+            prompts, encoded, counts = self._encode_images(rows)
+            self._with_images[index] = (prompts, encoded[2], counts)
+            return encoded, seed
         if self.tool_loop is None:
             return self.encode(rows), seed
         group = self.args.num_generations
@@ -652,8 +701,11 @@ class _OnWorkerThread:
         self.producer, self.version = producer, version
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
-        refuse_images(self, image_inputs)
         engine = self.producer.engine
+        images = (
+            () if image_inputs is None else (image_inputs,)
+        )  # a text-only engine need not take it
         return self.producer._on_worker_thread(
-            self.version, lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed)
+            self.version,
+            lambda: engine.generate(prompt_ids, prompt_mask, generation_config, seed, *images),
         )
