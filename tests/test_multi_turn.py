@@ -91,6 +91,32 @@ def test_three_turns_are_the_sampled_tokens_with_the_rendered_results_between(ru
     assert logps[len(turns[0]) : len(turns[0]) + len(first)] == [0.0] * len(first)
 
 
+def test_a_tool_returning_an_image_is_a_clear_error(runner):
+    """TRL gives a VLM the images of tool results; here they would reach the model as image
+    tokens without the image, so the run stops and says what to return instead."""
+    from PIL import Image
+
+    def look(picture: str) -> list:
+        """Shows a picture.
+
+        Args:
+            picture: The picture's name.
+        """
+        return [
+            {"type": "image", "image": Image.new("RGB", (8, 8))},
+            {"type": "text", "text": picture},
+        ]
+
+    tokenizer = qwen3_tokenizer()
+    tools = ToolSet([look])
+    turns = [encode(tokenizer, call("look", picture="cat")), encode(tokenizer, "A cat.")]
+    prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
+    with pytest.raises(ValueError, match="returned an image.*Return text"):
+        loop(tokenizer, runner).run(
+            ScriptedEngine(turns), GenerationConfig(), None, prompt_ids, prompt_mask, [tools]
+        )
+
+
 def test_a_failing_or_unknown_tool_is_an_error_message_to_the_model(runner):
     tokenizer = qwen3_tokenizer()
     tools = ToolSet([add, broken])

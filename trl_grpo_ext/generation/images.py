@@ -122,6 +122,13 @@ ROLLOUT_FUNC_WITH_IMAGES = (
 )
 
 
+TOOL_RESULT_IMAGES = (
+    "A tool or environment returned an image ({'type': 'image'} content part), which this "
+    "version cannot give the model yet: its image tokens would reach the model without the "
+    "image. Return text (for example a description of the image) from the tool instead."
+)
+
+
 def images_unsupported(args, multi_turn: bool = False, engine=None) -> str | None:
     """Why prompts with images cannot be sampled with these settings (each path not yet
     covered would sample from their text alone), or None when they can: single-turn, the

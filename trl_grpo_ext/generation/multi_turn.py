@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from .images import TOOL_RESULT_IMAGES, has_image_parts
 from .rollout import CompletionEnds, left_padded
 
 MIN_TRL = "1.16"  # the TRL whose tool-calling contract and response templates this follows
@@ -259,6 +260,8 @@ class ToolLoop:
                 turns.calls[i] += len(calls)
                 turns.failures[i] += sum(result.failed for result in calls)
                 messages = [result.message() for result in calls]
+                if has_image_parts(messages):
+                    raise ValueError(TOOL_RESULT_IMAGES)
                 suffix = self.format.result_ids(messages)
                 length = len(turns.completion_ids[i]) + len(suffix)
                 # No room for the results and at least one token after them: the rollout ends at
