@@ -3,8 +3,6 @@ conversational prompts), the model's processor as `processing_class`, LoRA on th
 model. Runs in seconds on a CPU; the model is random, so this shows the wiring, not learning.
 """
 
-import tempfile
-
 from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
@@ -12,7 +10,7 @@ from PIL import Image
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.tiny_vlm import save_tiny_vlm
 
-folder = save_tiny_vlm(tempfile.mkdtemp())  # stands in for a Hub id such as a Qwen2.5-VL
+folder = save_tiny_vlm("runs/tiny-vlm")  # stands in for a Hub id such as a Qwen2.5-VL
 
 # --8<-- [start:vlm]
 # TRL's format: conversational prompts, the images in an "image" (or "images") column; the
@@ -39,7 +37,7 @@ trainer = GroupRelativeTrainer(
     model=folder,  # loaded with AutoModelForImageTextToText, its processor with AutoProcessor
     reward_funcs=says_the_color,
     args=GroupRelativeConfig(
-        output_dir="vlm-grpo",
+        output_dir="runs/vlm-grpo",
         num_generations=4,
         per_device_train_batch_size=4,
         max_completion_length=8,
