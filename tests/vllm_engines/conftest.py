@@ -13,7 +13,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import getpass  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -24,9 +23,11 @@ import urllib.request  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm_helpers import (  # noqa: E402
+    INDUCTOR_HEADERS,
     MAX_LORA_RANK,
     SERVER_MAX_MODEL_LEN,
     kill_server,
+    share_precompiled_headers,
     stop_server,
 )
 
@@ -105,13 +106,11 @@ def start_server(
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # The server's temp files (its IPC sockets, its rendezvous file) in a folder of its own,
     # removed with the server (`kill_server`): vLLM leaves them behind, killed or not. Torch's
-    # compile cache stays where the tests' is.
+    # compile cache and precompiled headers stay where the tests' are.
     server_tmp = tempfile.mkdtemp(prefix="vllm-server-")
     env.update(TMPDIR=server_tmp, VLLM_RPC_BASE_PATH=server_tmp)
-    env.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
-    )
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), INDUCTOR_HEADERS))
+    share_precompiled_headers(server_tmp)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),

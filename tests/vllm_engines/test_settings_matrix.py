@@ -25,7 +25,6 @@ server included, and 4.1 CPU-minutes (a colocated process ~36 s of CPU, a server
 processes waited much of the time, hence two at a time. A hang costs its 300 s.
 """
 
-import getpass
 import itertools
 import json
 import os
@@ -40,6 +39,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_helpers import INDUCTOR_HEADERS, share_precompiled_headers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -65,10 +66,9 @@ MAX_STEPS = 6  # more than the largest staleness, so a batch k steps old is trai
 SAVE_STEPS = 3  # the resumed cells stop after this checkpoint, then resume from it
 CELL_TIMEOUT = 300  # seconds per process; a cell's process still running then is a hang
 # vLLM's sampler is compiled by torch (inductor), whose cache lives in TMPDIR: a cache meant to be
-# kept and shared between runs, not a leak of the trainer's. The cells share the usual one; torch
-# writes its precompiled headers to `$TMPDIR/torchinductor_<user>` whatever the setting, and that
-# one folder is not counted as left behind.
-INDUCTOR_HEADERS = f"torchinductor_{getpass.getuser()}"
+# kept and shared between runs, not a leak of the trainer's. The cells share the usual one, and
+# the tests' precompiled headers (`share_precompiled_headers`): their folder in TMPDIR,
+# `torchinductor_<user>`, is not counted as left behind.
 INDUCTOR_CACHE = os.environ.get(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), INDUCTOR_HEADERS)
 )
@@ -107,6 +107,7 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
     folder.mkdir()
     tmpdir = folder / "tmp"
     tmpdir.mkdir()
+    share_precompiled_headers(tmpdir)
     (folder / "settings.json").write_text(json.dumps(settings))
     result_path = folder / "result.json"
     command = [sys.executable, str(CELL_SCRIPT), str(folder / "settings.json"), str(result_path)]
