@@ -14,8 +14,8 @@ timeout, and checks: no error (a traceback logged by a run that ended normally c
 (a process still running at the timeout dumps its threads' stacks, is killed, and the cell
 fails), the staleness bound held (and was used when k > 0), the adapter versions that sampled
 the batches were published in order, the engine was never used by two threads at once, no file
-left in TMPDIR and no process left in the cell's process group. The server cells share one
-server (`--enable-lora --max-lora-rank 16`).
+left in TMPDIR and no process left in the cell's process group. The server cells share the
+session's server (`--enable-lora --max-lora-rank 16`), one cell at a time.
 
 Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts), run two
 at a time (`cell_runs`: each colocated cell beside a server cell), so at most 30 minutes if every
@@ -216,11 +216,11 @@ def run_cell(cell, model_dir: Path, folder: Path, base_url: str | None) -> list[
 
 
 @pytest.fixture(scope="module")
-def cell_runs(request, vllm_model_dir, tmp_path_factory):
+def cell_runs(vllm_server, vllm_model_dir, tmp_path_factory):
     """The cells, started two at a time: each colocated cell beside a server cell (server cells
     never run together: they share one server). Their processes wait on each other and on the
-    server much of the time, so two at a time takes less wall-clock time on 2 cores."""
-    base_url, _ = request.getfixturevalue("vllm_server_rank_16")
+    server much of the time, so two at a time takes less wall-clock time on 2 cores. The server
+    cells train on the session's server."""
     root = tmp_path_factory.mktemp("matrix")
     colocated = [cell for cell in CELLS if cell[0] == "colocate"]
     served = [cell for cell in CELLS if cell[0] == "server"]
@@ -229,7 +229,7 @@ def cell_runs(request, vllm_model_dir, tmp_path_factory):
         for pair in itertools.zip_longest(colocated, served):
             pair = [cell for cell in pair if cell is not None]
             problems = pool.map(
-                lambda cell: run_cell(cell, vllm_model_dir, root / cell_id(cell), base_url), pair
+                lambda cell: run_cell(cell, vllm_model_dir, root / cell_id(cell), vllm_server), pair
             )
             runs.update(zip(pair, problems))  # waits for both
     return runs

@@ -16,7 +16,9 @@ from trl_grpo_ext.generation.sampling import end_at_stop_strings
 from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
 from trl_grpo_ext.logprobs import completion_logprobs
 
-MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
+MAX_LORA_RANK = 8  # the colocated engine's max_lora_rank in these tests
+# The session server's --max-lora-rank: the settings matrix trains adapters of rank 16 on it.
+SERVER_MAX_LORA_RANK = 16
 # The session server's --max-model-len: room for test_vllm_tools.py's conversation.
 SERVER_MAX_MODEL_LEN = 1152
 
