@@ -13,7 +13,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import getpass  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -24,9 +23,12 @@ import urllib.request  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm_helpers import (  # noqa: E402
+    INDUCTOR_HEADERS,
     MAX_LORA_RANK,
+    SERVER_MAX_LORA_RANK,
     SERVER_MAX_MODEL_LEN,
     kill_server,
+    share_precompiled_headers,
     stop_server,
 )
 
@@ -105,13 +107,11 @@ def start_server(
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # The server's temp files (its IPC sockets, its rendezvous file) in a folder of its own,
     # removed with the server (`kill_server`): vLLM leaves them behind, killed or not. Torch's
-    # compile cache stays where the tests' is.
+    # compile cache and precompiled headers stay where the tests' are.
     server_tmp = tempfile.mkdtemp(prefix="vllm-server-")
     env.update(TMPDIR=server_tmp, VLLM_RPC_BASE_PATH=server_tmp)
-    env.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
-    )
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), INDUCTOR_HEADERS))
+    share_precompiled_headers(server_tmp)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -141,24 +141,12 @@ def start_server(
             time.sleep(1)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """A real, unmodified vLLM server on a free local port, started as the docs say, shared by
-    every test of the session (no test may stop it); yields `(base_url, process)`. Its context
-    holds test_vllm_tools.py's conversation (a 743-token prompt with the tool's schema)."""
-    port = free_port()
-    with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
-        process = start_server(vllm_model_dir, port, log, max_model_len=SERVER_MAX_MODEL_LEN)
-        try:
-            yield f"http://127.0.0.1:{port}", process
-        finally:
-            stop_server(process)
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def other_model_server(tmp_path_factory):
     """A second server, on another tiny model of the same shape (other weights), started with
-    vLLM's defaults: no LoRA, log-probs from before temperature. Yields its base URL."""
+    vLLM's defaults: no LoRA, log-probs from before temperature. Yields its base URL. Stopped
+    after the module that uses it (test_server_faults.py): idle, a server still takes CPU time
+    from the tests that follow."""
     model_dir = save_tiny(
         tmp_path_factory.mktemp("tiny-vllm-other"),
         seed=1,
@@ -176,40 +164,92 @@ def other_model_server(tmp_path_factory):
 
 
 class RestartableServer:
-    """A vLLM server on a fixed port that a test may kill and start again."""
+    """A vLLM server on a fixed port that a test may kill and start again; `settings`: those of
+    `start_server`."""
 
-    def __init__(self, model_dir, log_dir):
-        self.model_dir, self.log_dir = model_dir, log_dir
+    def __init__(self, model_dir, log_dir, **settings):
+        self.model_dir, self.log_dir, self.settings = model_dir, log_dir, settings
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process, self.starts = None, 0
 
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self):
         self.starts += 1
         with open(self.log_dir / f"server-{self.starts}.log", "w") as log:
-            self.process = start_server(self.model_dir, self.port, log)
+            self.process = start_server(self.model_dir, self.port, log, **self.settings)
 
     def kill(self):
         kill_server(self.process)
 
+    def stop(self):
+        if self.process is not None:
+            stop_server(self.process)
 
-@pytest.fixture
-def restartable_server(vllm_model_dir, tmp_path):
-    server = RestartableServer(vllm_model_dir, tmp_path)
+
+@pytest.fixture(scope="session")
+def session_server(vllm_model_dir, tmp_path_factory):
+    """The session's real, unmodified vLLM server on a free local port, started as the docs say
+    (`RestartableServer`). Its context holds test_vllm_tools.py's conversation (a 743-token
+    prompt with the tool's schema); its --max-lora-rank, SERVER_MAX_LORA_RANK, the settings
+    matrix's adapters of rank 16. Starting a server takes tens of seconds on a CPU: the tests
+    share this one, and those that kill it (`restartable_server`) run last."""
+    server = RestartableServer(
+        vllm_model_dir,
+        tmp_path_factory.mktemp("server"),
+        max_model_len=SERVER_MAX_MODEL_LEN,
+        max_lora_rank=SERVER_MAX_LORA_RANK,
+    )
     server.start()
     try:
         yield server
     finally:
-        stop_server(server.process)
+        server.stop()
 
 
-@pytest.fixture(scope="module")
-def vllm_server_rank_16(vllm_model_dir, tmp_path_factory):
-    """A server as `vllm_server`, with --max-lora-rank 16 (adapters of rank up to 16)."""
-    port = free_port()
-    with open(tmp_path_factory.mktemp("server") / "server.log", "w") as log:
-        process = start_server(vllm_model_dir, port, log, max_lora_rank=16)
-        try:
-            yield f"http://127.0.0.1:{port}", process
-        finally:
-            stop_server(process)
+@pytest.fixture(scope="session")
+def vllm_server(session_server):
+    """The base URL of the session's server (`session_server`); no test that uses it may stop
+    it."""
+    return session_server.base_url
+
+
+def server_to_kill(session_server, request):
+    """The session's server, running, for a test that kills it; started again after the test
+    when a test that uses `vllm_server` follows (none does in the usual order:
+    `pytest_collection_modifyitems`)."""
+    if not session_server.running:
+        session_server.start()
+    yield session_server
+    items = request.session.items
+    later = items[items.index(request.node) + 1 :]
+    if not session_server.running and any("vllm_server" in item.fixturenames for item in later):
+        session_server.start()
+
+
+@pytest.fixture
+def restartable_server(session_server, request):
+    """The session's server, for a test that kills it and starts it again on the same address."""
+    yield from server_to_kill(session_server, request)
+
+
+@pytest.fixture
+def killable_server(session_server, request):
+    """The session's server, for a test that kills it and leaves it so."""
+    yield from server_to_kill(session_server, request)
+
+
+# Where the tests that kill the session's server run: after every other test, those that start it
+# again first, so that the server is started again only once (test_vllm_training.py's resumed
+# run does it) instead of before each test that follows a kill.
+RUN_LAST = {"restartable_server": 1, "killable_server": 2}
+
+
+def pytest_collection_modifyitems(items):
+    def place(item):
+        return max((RUN_LAST.get(name, 0) for name in getattr(item, "fixturenames", ())), default=0)
+
+    items.sort(key=place)

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from trainer_helpers import lora_config, make_trainer, odd_first_byte  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
-from vllm_helpers import MAX_LORA_RANK, config  # noqa: E402
+from vllm_helpers import SERVER_MAX_LORA_RANK, config  # noqa: E402
 
 from trl_grpo_ext.checkpoints import last_complete_checkpoint  # noqa: E402
 from trl_grpo_ext.generation.vllm_server import VLLMServerEngine, VLLMServerError  # noqa: E402
@@ -103,7 +103,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def proxy(vllm_server):
-    proxy = FaultProxy(vllm_server[0])
+    proxy = FaultProxy(vllm_server)
     yield proxy
     proxy.stop()
 
@@ -200,7 +200,7 @@ def test_a_fault_mid_run_names_its_cause_and_the_run_resumes(
     checkpoint = last_complete_checkpoint(str(tmp_path))
     assert checkpoint is not None and checkpoint.endswith("checkpoint-2")
 
-    proxy.clear(upstream=vllm_server[0])  # the fault is gone: the same address works again
+    proxy.clear(upstream=vllm_server)  # the fault is gone: the same address works again
     resumed = server_trainer(vllm_model_dir, tmp_path, proxy.url, **settings)
     assert run_bounded(lambda: resumed.train(resume_from_checkpoint=True)) is None
     assert resumed.state.global_step == 4
@@ -211,12 +211,12 @@ def test_an_adapter_above_the_servers_max_lora_rank_is_the_error_the_user_sees(
     vllm_server, vllm_model_dir, tmp_path, max_staleness
 ):
     """Asynchronous rollouts used to log the refusal and fail later with a TypeError."""
-    rank = 2 * MAX_LORA_RANK
+    rank = 2 * SERVER_MAX_LORA_RANK
     peft_config = lora_config(r=rank)
     trainer = server_trainer(
         vllm_model_dir,
         tmp_path,
-        vllm_server[0],
+        vllm_server,
         max_staleness=max_staleness,
         peft_config=peft_config,
     )
@@ -248,6 +248,6 @@ def test_a_server_without_processed_logprobs_is_an_error_naming_the_flag(
 
 
 def test_the_documented_server_passes_the_logprobs_check(vllm_server, prompts):
-    engine = VLLMServerEngine(vllm_server[0], timeout=5)
+    engine = VLLMServerEngine(vllm_server, timeout=5)
     engine.check_logprobs_mode(prompts[0][0][prompts[1][0].bool()].tolist())
     assert engine._logprobs_checked

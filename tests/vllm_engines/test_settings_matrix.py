@@ -14,18 +14,19 @@ timeout, and checks: no error (a traceback logged by a run that ended normally c
 (a process still running at the timeout dumps its threads' stacks, is killed, and the cell
 fails), the staleness bound held (and was used when k > 0), the adapter versions that sampled
 the batches were published in order, the engine was never used by two threads at once, no file
-left in TMPDIR and no process left in the cell's process group. The server cells share one
-server (`--enable-lora --max-lora-rank 16`).
+left in TMPDIR and no process left in the cell's process group. The server cells share the
+session's server (`--enable-lora --max-lora-rank 16`), one cell at a time.
 
 Budget: CELL_TIMEOUT (300 s) per process; 9 processes (6 cells, 3 of them in two parts), run two
-at a time (`cell_runs`: each colocated cell beside a server cell), so at most 30 minutes if every
-one hung (each pair holds a resumed cell, two processes in turn). Measured one at a time with
-every cell passing, on 2 CPU cores shared with other jobs (load 4-7): 6 min 52 s for the module,
-server included, and 4.1 CPU-minutes (a colocated process ~36 s of CPU, a server one ~12 s): its
-processes waited much of the time, hence two at a time. A hang costs its 300 s.
+at a time (`run_two_at_a_time`), so at most about 30 minutes if every one hung (a part that
+fails ends its cell). Measured one at a time with every cell passing, on 2 CPU cores shared
+with other jobs (load 4-7): 6 min 52 s for the module, server included, and 4.1 CPU-minutes (a
+colocated process ~36 s of CPU, a server one ~12 s): its processes waited much of the time, hence
+two at a time. A hang costs its 300 s. Since the cells reuse the tests' precompiled header
+(`share_precompiled_headers`), a colocated process takes ~20 s of CPU, and the module under
+two minutes of `make test-vllm`.
 """
 
-import getpass
 import itertools
 import json
 import os
@@ -33,13 +34,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import traceback
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_helpers import INDUCTOR_HEADERS, share_precompiled_headers  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -65,10 +69,9 @@ MAX_STEPS = 6  # more than the largest staleness, so a batch k steps old is trai
 SAVE_STEPS = 3  # the resumed cells stop after this checkpoint, then resume from it
 CELL_TIMEOUT = 300  # seconds per process; a cell's process still running then is a hang
 # vLLM's sampler is compiled by torch (inductor), whose cache lives in TMPDIR: a cache meant to be
-# kept and shared between runs, not a leak of the trainer's. The cells share the usual one; torch
-# writes its precompiled headers to `$TMPDIR/torchinductor_<user>` whatever the setting, and that
-# one folder is not counted as left behind.
-INDUCTOR_HEADERS = f"torchinductor_{getpass.getuser()}"
+# kept and shared between runs, not a leak of the trainer's. The cells share the usual one, and
+# the tests' precompiled headers (`share_precompiled_headers`): their folder in TMPDIR,
+# `torchinductor_<user>`, is not counted as left behind.
 INDUCTOR_CACHE = os.environ.get(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), INDUCTOR_HEADERS)
 )
@@ -107,6 +110,7 @@ def run_part(settings: dict, folder: Path) -> tuple[dict | None, list[str]]:
     folder.mkdir()
     tmpdir = folder / "tmp"
     tmpdir.mkdir()
+    share_precompiled_headers(tmpdir)
     (folder / "settings.json").write_text(json.dumps(settings))
     result_path = folder / "result.json"
     command = [sys.executable, str(CELL_SCRIPT), str(folder / "settings.json"), str(result_path)]
@@ -214,24 +218,58 @@ def run_cell(cell, model_dir: Path, folder: Path, base_url: str | None) -> list[
     return problems
 
 
+def run_two_at_a_time(cells, run) -> dict:
+    """`run(cell)` for every cell, two at a time, never two server cells together (they share
+    one server; both would publish the same adapter names). A worker that is free takes the
+    first cell it may start, the resumed cells (two processes each) first: no pair waits for its
+    slower half, as pairs fixed in advance did. Returns `{cell: run(cell)}`; an error of the
+    harness itself is the cell's problem."""
+    pending = sorted(cells, key=lambda cell: not cell[AXES.index("resume")])
+    results, serving = {}, []
+    condition = threading.Condition()
+
+    def next_cell():
+        with condition:
+            while True:
+                startable = [cell for cell in pending if cell[0] != "server" or not serving]
+                if startable or not pending:
+                    break
+                condition.wait()
+            if not pending:
+                return None
+            pending.remove(startable[0])
+            if startable[0][0] == "server":
+                serving.append(startable[0])
+            return startable[0]
+
+    def worker():
+        while (cell := next_cell()) is not None:
+            try:
+                results[cell] = run(cell)
+            except Exception:  # noqa: BLE001 - the cell's test reports it
+                results[cell] = [f"the harness failed:\n{traceback.format_exc()}"]
+            with condition:
+                if cell in serving:
+                    serving.remove(cell)
+                condition.notify_all()
+
+    workers = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    return results
+
+
 @pytest.fixture(scope="module")
-def cell_runs(request, vllm_model_dir, tmp_path_factory):
-    """The cells, started two at a time: each colocated cell beside a server cell (server cells
-    never run together: they share one server). Their processes wait on each other and on the
-    server much of the time, so two at a time takes less wall-clock time on 2 cores."""
-    base_url, _ = request.getfixturevalue("vllm_server_rank_16")
+def cell_runs(vllm_server, vllm_model_dir, tmp_path_factory):
+    """The cells' problems, run two at a time (`run_two_at_a_time`): their processes wait on
+    each other and on the server much of the time, so two at a time takes less wall-clock time
+    on 2 cores. The server cells train on the session's server."""
     root = tmp_path_factory.mktemp("matrix")
-    colocated = [cell for cell in CELLS if cell[0] == "colocate"]
-    served = [cell for cell in CELLS if cell[0] == "server"]
-    runs = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for pair in itertools.zip_longest(colocated, served):
-            pair = [cell for cell in pair if cell is not None]
-            problems = pool.map(
-                lambda cell: run_cell(cell, vllm_model_dir, root / cell_id(cell), base_url), pair
-            )
-            runs.update(zip(pair, problems))  # waits for both
-    return runs
+    return run_two_at_a_time(
+        CELLS, lambda cell: run_cell(cell, vllm_model_dir, root / cell_id(cell), vllm_server)
+    )
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[cell_id(cell) for cell in CELLS])

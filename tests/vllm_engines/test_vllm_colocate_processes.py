@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import share_precompiled_headers  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "colocate_two_processes.py")
@@ -23,6 +25,7 @@ def test_two_processes_each_train_with_their_own_colocated_engine(vllm_model_dir
     ]  # fmt: skip
     private_tmpdir = tmp_path / "tmpdir"
     private_tmpdir.mkdir()
+    share_precompiled_headers(private_tmpdir)
     env = dict(os.environ, TMPDIR=str(private_tmpdir))
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_helpers import (  # noqa: E402
-    MAX_LORA_RANK,
+    SERVER_MAX_LORA_RANK,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
     assert_stop_strings_end_where_transformers_does,
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def server_engine(vllm_server):
-    base_url, _ = vllm_server
+    base_url = vllm_server
     engine = VLLMServerEngine(base_url, timeout=5, backoff=0.2)
     engine.wait_until_ready()
     return engine
@@ -83,7 +83,7 @@ def test_published_adapter_versions_advance_and_generation_uses_the_latest(
 def test_adapter_rank_above_the_servers_max_lora_rank_is_a_clear_error(
     server_engine, hf_model, tmp_path
 ):
-    rank = 2 * MAX_LORA_RANK
+    rank = 2 * SERVER_MAX_LORA_RANK
     lora_adapter(hf_model, tmp_path / "big", seed=0, rank=rank)
     with pytest.raises(VLLMServerError, match=f"--max-lora-rank {rank}") as error:
         server_engine.publish_adapter(tmp_path / "big", 9)
@@ -107,7 +107,7 @@ def test_two_training_processes_share_one_server(
 ):
     """Each process of a multi-process run publishes the same versions under its own names, at
     its own pace, and generates with its own latest adapter."""
-    base_url, _ = vllm_server
+    base_url = vllm_server
     engines = [
         VLLMServerEngine(base_url, timeout=5, adapter_prefix=f"adapter-p{rank}")
         for rank in range(2)
@@ -133,7 +133,7 @@ def test_a_restarted_run_republishes_a_version_the_server_still_has(
 ):
     """The trainer stopped (preempted) while the server stayed up; the resumed run's new engine
     publishes the checkpoint's version, which the server still holds from the stopped run."""
-    base_url, _ = vllm_server
+    base_url = vllm_server
     greedy = config(tokenizer, greedy=True)
     stopped = VLLMServerEngine(base_url, timeout=5, adapter_prefix="run")
     lora_adapter(hf_model, tmp_path / "stopped", seed=1)
@@ -148,11 +148,11 @@ def test_a_restarted_run_republishes_a_version_the_server_still_has(
 
 
 def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
-    restartable_server, tokenizer, prompts
+    killable_server, tokenizer, prompts
 ):
     """Killed while it generates: the engine waits `timeout` seconds for it to come back, then
     fails naming the URL."""
-    engine = VLLMServerEngine(restartable_server.base_url, timeout=2, backoff=0.2)
+    engine = VLLMServerEngine(killable_server.base_url, timeout=2, backoff=0.2)
     long_run = config(tokenizer, max_new_tokens=400, num_return_sequences=16, temperature=1.0)
     errors = []
 
@@ -166,8 +166,8 @@ def test_a_server_killed_mid_run_is_a_clear_error_within_the_bound(
     worker = threading.Thread(target=generate)
     worker.start()
     time.sleep(1.0)
-    restartable_server.kill()
+    killable_server.kill()
     worker.join(timeout=60)  # a hang, not a speed bound: the engine gives up after 2 s
     assert not worker.is_alive() and errors, "generate neither failed nor finished"
-    assert restartable_server.base_url in str(errors[0])
+    assert killable_server.base_url in str(errors[0])
     assert "did not answer for 2 s (vllm_server_timeout" in str(errors[0])

@@ -131,7 +131,7 @@ def test_three_turns_sampled_by_a_vllm_server_ahead_of_the_trainer_are_the_token
     which runs the tool loop on its thread. The server wrote the conversation: it sampled with
     the published adapter, not its base model. (Training steps: the next test.)"""
     trainer = server_tool_trainer(
-        vllm_model_dir, tool_adapter_dir, tmp_path, vllm_server[0], max_staleness=1
+        vllm_model_dir, tool_adapter_dir, tmp_path, vllm_server, max_staleness=1
     )
     try:
         assert isinstance(trainer.rollouts.engine, VLLMServerEngine)
@@ -152,7 +152,7 @@ def test_a_tool_result_past_the_servers_max_model_len_ends_the_rollout_at_its_ca
         vllm_model_dir,
         tool_adapter_dir,
         tmp_path,
-        vllm_server[0],
+        vllm_server,
         tools=[padded_add(400)],
         max_completion_length=700,  # room for the result: only the server's limit stops it
     )
@@ -179,7 +179,7 @@ def test_a_server_gone_mid_rollout_fails_the_run_naming_it(
     closes, as a killed server's port does): the error reaches `train()` at the second step,
     once the server has not answered for `vllm_server_timeout` seconds, and the worker stops; no
     hang. A server killed during a request is test_vllm_server.py's."""
-    proxy = FaultProxy(vllm_server[0])
+    proxy = FaultProxy(vllm_server)
     trainer = server_tool_trainer(
         vllm_model_dir,
         tool_adapter_dir,

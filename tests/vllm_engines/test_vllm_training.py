@@ -155,7 +155,7 @@ def test_colocated_full_fine_tuning_publishes_all_weights_each_step(vllm_model_d
 def test_server_lora_learns_with_the_latest_adapter_each_step(
     vllm_server, vllm_model_dir, tmp_path
 ):
-    base_url, _ = vllm_server
+    base_url = vllm_server
     trainer = vllm_trainer(
         vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_base_url=base_url, **LEARNING
     )
@@ -183,7 +183,7 @@ def test_server_lora_learns_with_the_latest_adapter_each_step(
 def test_server_asynchronous_rollouts_keep_the_staleness_bound(
     vllm_server, vllm_model_dir, tmp_path
 ):
-    base_url, _ = vllm_server
+    base_url = vllm_server
     trainer = vllm_trainer(
         vllm_model_dir,
         tmp_path,

@@ -2,10 +2,12 @@
 it with `transformers` on the same model and tokens."""
 
 import copy
+import getpass
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 
 import torch
 
@@ -14,9 +16,29 @@ from trl_grpo_ext.generation.sampling import end_at_stop_strings
 from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
 from trl_grpo_ext.logprobs import completion_logprobs
 
-MAX_LORA_RANK = 8  # the engines' --max-lora-rank in these tests
+MAX_LORA_RANK = 8  # the colocated engine's max_lora_rank in these tests
+# The session server's --max-lora-rank: the settings matrix trains adapters of rank 16 on it.
+SERVER_MAX_LORA_RANK = 16
 # The session server's --max-model-len: room for test_vllm_tools.py's conversation.
 SERVER_MAX_MODEL_LEN = 1152
+
+
+# Torch's compiler (vLLM's sampler is compiled by it) keeps its cache in TORCHINDUCTOR_CACHE_DIR,
+# but the precompiled header of the C++ it builds in `$TMPDIR/torchinductor_<user>` whatever the
+# setting, and it builds that header again (~10 s of CPU, even when every kernel is cached) in a
+# process whose TMPDIR lacks it.
+INDUCTOR_HEADERS = f"torchinductor_{getpass.getuser()}"
+
+
+def share_precompiled_headers(tmpdir) -> None:
+    """Links `tmpdir/torchinductor_<user>` to the tests' own folder of precompiled headers, for a
+    process started with TMPDIR `tmpdir` (a folder of its own, to see what it leaves there, or to
+    remove it with what it left): the process finds the header built already. The link is no
+    leftover (the checks skip that name), and removing `tmpdir` removes the link, not the
+    headers."""
+    shared = os.path.join(tempfile.gettempdir(), INDUCTOR_HEADERS)
+    os.makedirs(shared, exist_ok=True)
+    os.symlink(shared, os.path.join(tmpdir, INDUCTOR_HEADERS))
 
 
 def config(tokenizer, **settings):
