@@ -301,6 +301,22 @@ def heldout_accuracy_figure(options) -> Path:
     return _save(fig, "heldout_accuracy")
 
 
+def tiny_vlm_cpu_figure(options) -> Path:
+    """Reward and sampled held-out accuracy of the offline vision-language preset
+    (`recipes/configs/tiny_vlm_cpu.yaml`), from its `metrics.jsonl`, drawn as the recipe draws
+    its own `reward_curve.png`. Run the preset first (its header gives the command)."""
+    from trl_grpo_ext.evaluation import plot_training_curve
+
+    metrics = Path(options.vlm_run) / "metrics.jsonl"
+    _read_jsonl(metrics)  # MissingInput when the run has not been made
+    path = IMG / "tiny_vlm_cpu.png"
+    IMG.mkdir(exist_ok=True)
+    label = "held-out accuracy (4 samples per picture)"
+    if plot_training_curve(str(metrics), str(path), accuracy_label=label) is None:
+        raise MissingInput(f"no reward or held-out accuracy in {metrics}")
+    return path
+
+
 def async_vs_sync_figure(options) -> Path:
     """The reward-curve run, synchronous and with asynchronous rollouts (max_staleness 1, 2).
 
@@ -336,6 +352,7 @@ FIGURES: dict[str, Callable] = {
     "heldout_accuracy": heldout_accuracy_figure,
     "async_vs_sync": async_vs_sync_figure,
     "dynamic_sampling": dynamic_sampling_figure,
+    "tiny_vlm_cpu": tiny_vlm_cpu_figure,
 }
 
 
@@ -344,6 +361,9 @@ def main(argv=None) -> int:
     parser.add_argument("names", nargs="*", help=f"any of {', '.join(FIGURES)}; default: all")
     parser.add_argument("--steps", type=int, default=60, help="steps of each toy training run")
     parser.add_argument("--default-run", default="runs/tiny_cpu", help="folder of `make train`")
+    parser.add_argument(
+        "--vlm-run", default="runs/tiny_vlm_cpu", help="folder of the tiny_vlm_cpu.yaml preset"
+    )
     options = parser.parse_args(argv)
     unknown = sorted(set(options.names) - set(FIGURES))
     if unknown:
