@@ -216,20 +216,10 @@ class RolloutProducer:
         (image tokens expanded), the engine samples with their multimodal fields, and each
         completion carries its prompt's fields (`images.per_sample`) into training."""
         prompts, (prompt_ids, prompt_mask, fields), counts = self._encode_images(rows)
-        prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
+        generated = engine.generate(
             prompt_ids, prompt_mask, generation_config, seed, image_inputs=fields
         )
-        return self._rollout_with_images(
-            rows,
-            prompts,
-            fields,
-            counts,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            behaviour_logps,
-            version,
-        )
+        return self._rollout_with_images(rows, (prompts, fields, counts), *generated, version)
 
     def _encode_images(self, rows):
         """The rows' prompts with their images in their messages, those rendered and tokenised by
@@ -239,9 +229,11 @@ class RolloutProducer:
         return prompts, self.encoder.encode_with_images(prompts, images), [len(i) for i in images]
 
     def _rollout_with_images(
-        self, rows, prompts, fields, counts, prompt_ids, prompt_mask, completion_ids, logps, version
+        self, rows, images, prompt_ids, prompt_mask, completion_ids, logps, version
     ) -> Rollout:
-        """`build_rollout` with each completion carrying its prompt's fields (`per_sample`)."""
+        """`build_rollout` with each completion carrying its prompt's fields (`per_sample`);
+        `images` is `(prompts, fields, image counts)` from `_encode_images`."""
+        prompts, fields, counts = images
         group = len(completion_ids) // len(rows)
         image_inputs = per_sample(fields, counts, prompt_ids.shape[1], group)
         return self.build_rollout(
@@ -541,29 +533,17 @@ class RolloutProducer:
                 batch.version,
             )
             return rollout, staleness
-        if index in self._with_images:
-            prompts, fields, counts = self._with_images.pop(index)
-            rollout = self._rollout_with_images(
-                rows,
-                prompts,
-                fields,
-                counts,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.completion_ids,
-                batch.behaviour_logps,
-                batch.version,
-            )
-            return rollout, staleness
-        rollout = self.build_rollout(
-            rows,
+        generated = (
             batch.prompt_ids,
             batch.prompt_mask,
             batch.completion_ids,
             batch.behaviour_logps,
             batch.version,
         )
-        return rollout, staleness
+        images = self._with_images.pop(index, None)
+        if images is not None:
+            return self._rollout_with_images(rows, images, *generated), staleness
+        return self.build_rollout(rows, *generated), staleness
 
     def _generate_now(self, rows, index: int, round_index: int, version: int, seed: int):
         """A batch outside the schedule from the current weights (a dynamic-sampling round, or
