@@ -273,3 +273,18 @@ def log_completions(table: dict[str, list], step: int, args) -> None:
             frame = frame[~frame["prompt"].astype(str).duplicated()]
         for tracker in trackers:
             tracker.log({"completions": tracker.Table(dataframe=frame)})
+
+
+def pooled_entropies(accelerator, entropy, completion_mask) -> torch.Tensor:
+    """The entropies of the completion tokens of this micro-batch on every process, 1-D: the
+    quantile of `top_entropy_quantile` is taken over all of them, as in TRL, so every process
+    keeps tokens above one threshold."""
+    local = entropy.detach()[completion_mask.bool()].float()  # (tokens here,)
+    if accelerator.num_processes == 1:
+        return local
+    # Processes hold different numbers of tokens: pad to the longest with a value no entropy
+    # takes (entropies are >= 0), gather, and drop the padding again (TRL's sentinel).
+    padding = -1e9
+    padded = accelerator.pad_across_processes(local, dim=0, pad_index=padding)
+    gathered = accelerator.gather(padded)  # (processes * longest,)
+    return gathered[gathered != padding]

@@ -51,6 +51,7 @@ from .metrics import (
     completions_table,
     extremes_over_processes,
     log_completions,
+    pooled_entropies,
     rollout_metrics,
     staleness_shares,
     step_means,
@@ -340,7 +341,9 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 entropy.detach(),
                 batch["completion_mask"],
                 args.top_entropy_quantile,
-                pooled_entropy=self._entropies_of_all_processes(entropy, batch["completion_mask"]),
+                pooled_entropy=pooled_entropies(
+                    self.accelerator, entropy, batch["completion_mask"]
+                ),
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         settings = self.loss_settings
@@ -389,20 +392,6 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return behaviour_correction(
             self.args, old_logps, batch["behaviour_logps"], batch["completion_mask"]
         )
-
-    def _entropies_of_all_processes(self, entropy, completion_mask) -> torch.Tensor:
-        """The entropies of the completion tokens of this micro-batch on every process, 1-D: the
-        quantile of `top_entropy_quantile` is taken over all of them, as in TRL, so every
-        process keeps tokens above one threshold."""
-        local = entropy.detach()[completion_mask.bool()].float()  # (tokens here,)
-        if self.accelerator.num_processes == 1:
-            return local
-        # Processes hold different numbers of tokens: pad to the longest with a value no entropy
-        # takes (entropies are >= 0), gather, and drop the padding again (TRL's sentinel).
-        padding = -1e9
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=padding)
-        gathered = self.accelerator.gather(padded)  # (processes * longest,)
-        return gathered[gathered != padding]
 
     def _carries_no_signal(self, batch: dict) -> bool:
         """True when no token of the micro-batch has a non-zero advantage and nothing else
