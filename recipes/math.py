@@ -22,9 +22,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) != _HERE]
 
-import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
@@ -52,17 +51,13 @@ from trl_grpo_ext.script_args import (
     load_tools,
     resolve_model_path,
     resume_argument,
-    take_push_settings,
+    start_run,
 )
 
 
 def main(script_args, training_args, model_args):
     # Seed; pushes happen once at the end, adapter-only (never checkpoint pushes mid-run).
-    set_seed(training_args.seed)
-    if script_args.torch_num_threads:
-        torch.set_num_threads(script_args.torch_num_threads)
-    push_to_hub, hub_token = take_push_settings(training_args)  # the token stays in here
-    os.makedirs(training_args.output_dir, exist_ok=True)
+    push_to_hub, hub_token = start_run(script_args, training_args)  # the token stays in here
 
     # Data: training problems, and held-out problems for evaluation.
     data_kwargs = dict(

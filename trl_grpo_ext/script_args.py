@@ -300,10 +300,18 @@ def resolve_vlm_model_path(script_args, model_args, training_args) -> str:
         return save_warmed_up_tiny_vlm(folder, seed=seed, steps=steps)
 
 
-def take_push_settings(training_args) -> tuple[bool, str | None]:
-    """`(push_to_hub, hub_token)`, both taken off `training_args`: a recipe pushes once at the
-    end, adapter-only (never checkpoints mid-run), and the token stays out of the arguments,
-    which the Trainer pickles to training_args.bin."""
+def start_run(script_args, training_args) -> tuple[bool, str | None]:
+    """A recipe's first step: seeds, sets the CPU threads (`torch_num_threads`), creates the
+    output folder, and returns `(push_to_hub, hub_token)`, both taken off `training_args`: a
+    recipe pushes once at the end, adapter-only (never checkpoints mid-run), and the token stays
+    out of the arguments, which the Trainer pickles to training_args.bin."""
+    import torch
+    from transformers import set_seed
+
+    set_seed(training_args.seed)
+    if script_args.torch_num_threads:
+        torch.set_num_threads(script_args.torch_num_threads)
+    os.makedirs(training_args.output_dir, exist_ok=True)
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     hub_token, training_args.hub_token = training_args.hub_token, None
     return push_to_hub, hub_token
