@@ -90,7 +90,7 @@ def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, ag
             raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
         if "prompt" in dataset.column_names and len(dataset):
             prompt_with_images(dataset[0])  # conversational, each image part with its image
-        unsupported = images_unsupported(args, multi_turn=agent is not None)
+        unsupported = images_unsupported(args)
         if unsupported:
             raise ValueError(f"{split}: {unsupported}")
 
