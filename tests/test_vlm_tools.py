@@ -308,3 +308,27 @@ def test_with_max_staleness_the_rollout_worker_carries_the_tool_images(tmp_path,
         assert torch.equal(rollout.image_inputs["pixel_values"][0], green)
     training = [values for training, values in vision if training]
     assert len(training) == 2 and all(torch.equal(values, green) for values in training)
+
+
+def test_train_with_tools_multimodal_response(tmp_path):
+    """TRL's `test_train_with_tools_multimodal_response` (tests/test_grpo_trainer.py), on the
+    tiny VLM: a tool returns a list of content blocks with an image; one rollout of two calls
+    it, with no failure, and the adapters train (two steps: LoRA's A matrices move from the
+    second on). TRL's reward model is a reward that prefers the rollout that looked (more
+    messages); TRL's scripted "Done!" is the second turn."""
+
+    def message_count(completions, **kwargs):
+        return [float(len(messages)) for messages in completions]
+
+    trainer = tool_trainer(
+        tmp_path, text_rows(2), learning_rate=0.1, reward_funcs=message_count, max_steps=2
+    )
+    script_turns(trainer, second="Done!")
+    before = {n: p.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    step = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry][-1]
+    assert step["tools/call_frequency"] == pytest.approx(1 / 2)
+    assert step["tools/failure_frequency"] == pytest.approx(0.0)
+    for name, param in before.items():
+        assert not torch.equal(param, trainer.model.get_parameter(name)), f"{name} unchanged"
