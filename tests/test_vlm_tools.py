@@ -332,3 +332,93 @@ def test_train_with_tools_multimodal_response(tmp_path):
     assert step["tools/failure_frequency"] == pytest.approx(0.0)
     for name, param in before.items():
         assert not torch.equal(param, trainer.model.get_parameter(name)), f"{name} unchanged"
+
+
+def test_the_same_as_trl_on_scripted_turns(tmp_path):
+    """`trl.GRPOTrainer` and ours on the saved tiny VLM, the same scripted turns (one rollout
+    calls `screenshot`, then writes "Done!"; the other answers "No."): the same prompt ids,
+    completion ids (the result with its expanded image tokens), tool mask, image fields of the
+    turn after the result, and pixel values in the training forward pass."""
+    import trl
+    from transformers import AutoProcessor
+
+    from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+    from trl_grpo_ext.tiny_vlm import save_tiny_vlm
+
+    folder = save_tiny_vlm(tmp_path / "tiny-vlm")
+    tokenizer = AutoProcessor.from_pretrained(folder).tokenizer
+    common = dict(
+        max_steps=1,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=200,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+    )
+
+    def message_count(completions, **kwargs):
+        return [float(len(messages)) for messages in completions]
+
+    def record_training(model, store):
+        def record(module, args, kwargs, output):
+            if module.training:
+                store.append(kwargs.get("pixel_values", args[0] if args else None).clone())
+
+        model.model.vision_tower.register_forward_hook(record, with_kwargs=True)
+
+    reference = trl.GRPOTrainer(
+        model=folder,
+        reward_funcs=message_count,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, **common),
+        train_dataset=text_rows(),
+        tools=[screenshot],
+    )
+    trl_fields, trl_pixels, generated = [], [], {}
+
+    def single_turn(ids, images, fields, num_generations, **kwargs):
+        if num_generations == 2:  # the first turns
+            turns = [turn(tokenizer, CALL), turn(tokenizer, "No.")]
+        else:
+            trl_fields.append(fields)
+            turns = [turn(tokenizer, "Done!")] * len(ids)
+        return turns, [[0.0] * len(ids) for ids in turns]
+
+    reference._generate_single_turn = single_turn
+    generate = reference._generate
+
+    def recording(prompts):
+        generated["output"] = generate(prompts)
+        return generated["output"]
+
+    reference._generate = recording
+    record_training(reference.model, trl_pixels)
+    reference.train()
+    trl_prompt_ids, trl_completion_ids, trl_tool_mask = generated["output"][:3]
+
+    ours = GroupRelativeTrainer(
+        model=folder,
+        reward_funcs=message_count,
+        args=GroupRelativeConfig(output_dir=str(tmp_path / "ours"), **common),
+        train_dataset=text_rows(),
+        tools=[screenshot],
+    )
+    calls = script_turns(ours, second="Done!")
+    rollouts, pixels_ours = [], []
+    generate_rollouts = ours.generate_rollouts
+    ours.generate_rollouts = lambda rows: rollouts.append(generate_rollouts(rows)) or rollouts[-1]
+    record_training(ours.model, pixels_ours)
+    ours.train()
+
+    rollout = rollouts[0]
+    lengths = rollout.completion_mask.sum(1).tolist()
+    assert [ids[m.bool()].tolist() for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)] == [
+        list(ids) for ids in trl_prompt_ids
+    ]
+    assert [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(), lengths)] == [
+        list(ids) for ids in trl_completion_ids
+    ]
+    assert [mask[:n] for mask, n in zip(rollout.tool_mask.tolist(), lengths)] == trl_tool_mask
+    assert torch.equal(calls[1]["image_inputs"]["pixel_values"], trl_fields[0]["pixel_values"])
+    assert len(pixels_ours) == len(trl_pixels) == 1
+    assert torch.equal(pixels_ours[0], trl_pixels[0])
