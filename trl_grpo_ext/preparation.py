@@ -72,7 +72,7 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     return built
 
 
-def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, agent, rollout_func):
+def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, rollout_func):
     """Fails at construction when a dataset has images (`image`/`images` columns, or image parts
     in its prompts) that the run would drop, training on the text alone: with a tokenizer as
     `processing_class`, or with a path that does not carry images yet (`images_unsupported`)."""
