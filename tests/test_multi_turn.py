@@ -91,9 +91,10 @@ def test_three_turns_are_the_sampled_tokens_with_the_rendered_results_between(ru
     assert logps[len(turns[0]) : len(turns[0]) + len(first)] == [0.0] * len(first)
 
 
-def test_a_tool_returning_an_image_is_a_clear_error(runner):
-    """TRL gives a VLM the images of tool results; here they would reach the model as image
-    tokens without the image, so the run stops and says what to return instead."""
+def test_a_tool_returning_an_image_to_a_text_only_model_is_a_clear_error(runner):
+    """With a tokenizer and no processor, the image of a tool result could only reach the model
+    as text, so the run stops and says to pass the processor or return text
+    (tests/test_vlm_tools.py: with a processor the model sees it)."""
     from PIL import Image
 
     def look(picture: str) -> list:
@@ -111,7 +112,7 @@ def test_a_tool_returning_an_image_is_a_clear_error(runner):
     tools = ToolSet([look])
     turns = [encode(tokenizer, call("look", picture="cat")), encode(tokenizer, "A cat.")]
     prompt_ids, prompt_mask = prompts_for(tokenizer, tools)
-    with pytest.raises(ValueError, match="returned an image.*Return text"):
+    with pytest.raises(ValueError, match="returned an image.*AutoProcessor.*return text"):
         loop(tokenizer, runner).run(
             ScriptedEngine(turns), GenerationConfig(), None, prompt_ids, prompt_mask, [tools]
         )

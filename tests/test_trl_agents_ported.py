@@ -23,8 +23,8 @@ test it comes from and keeps its assertions. What changed, everywhere:
   warn that these arguments are experimental.
 
 Not ported, with the reason:
-- `test_train_with_tools_multimodal_response`: a VLM (Qwen3.5) whose tool returns an image; tool
-  results with images are not supported (docs/agents.md).
+- `test_train_with_tools_multimodal_response`: a VLM (Qwen3.5) whose tool returns an image; it
+  needs a VLM and its processor, so it is ported to tests/test_vlm_tools.py (the tiny VLM).
 - `tests/experimental/test_async_grpo_trainer.py`, `test_harbor.py`, `test_openreward.py` (their
   `environment_factory`/`rollout_func` cases): TRL's experimental async trainer and its
   integrations, whose design differs from `max_staleness` (tests/test_agents_async.py covers

@@ -157,26 +157,9 @@ def test_images_with_a_tokenizer_are_an_error_not_text_only_training(tmp_path, d
         vlm_trainer(tmp_path, dataset(), processing_class="tokenizer")
 
 
-def shout(text: str) -> str:
-    """Upper-cases text.
-
-    Args:
-        text: the text.
-    """
-    return text.upper()
-
-
-@pytest.mark.parametrize(
-    "config, match",
-    [
-        ({"tools": [shout]}, "tools or environment_factory"),
-        ({"rollout_func": lambda prompts, trainer: {}}, "rollout_func does not receive images"),
-    ],
-    ids=["tools", "rollout_func"],
-)
-def test_paths_that_do_not_carry_images_yet_are_errors(tmp_path, config, match):
-    with pytest.raises(ValueError, match=match):
-        vlm_trainer(tmp_path, **config)
+def test_rollout_func_with_images_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="rollout_func does not receive images"):
+        vlm_trainer(tmp_path, rollout_func=lambda prompts, trainer: {})
 
 
 def test_use_vllm_with_images_is_an_error():

@@ -72,7 +72,7 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     return built
 
 
-def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, agent, rollout_func):
+def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, rollout_func):
     """Fails at construction when a dataset has images (`image`/`images` columns, or image parts
     in its prompts) that the run would drop, training on the text alone: with a tokenizer as
     `processing_class`, or with a path that does not carry images yet (`images_unsupported`)."""
@@ -90,7 +90,7 @@ def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, ag
             raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
         if "prompt" in dataset.column_names and len(dataset):
             prompt_with_images(dataset[0])  # conversational, each image part with its image
-        unsupported = images_unsupported(args, multi_turn=agent is not None)
+        unsupported = images_unsupported(args)
         if unsupported:
             raise ValueError(f"{split}: {unsupported}")
 

@@ -31,18 +31,64 @@ IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 16  # pixels per side after resizing and cropping
 PATCH_SIZE = 8  # so (16 / 8)^2 = 4 image tokens per image
 
-VLM_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+# Qwen3-VL's chat format with `<image>` for each image: the tools' schemas in a system turn, calls
+# as `<tool_call>` JSON in the assistant's turn, and tool results (text or image parts) as
+# `<tool_response>` blocks of a user turn.
+_CONTENT = (
+    "{% if content is string %}{{ content }}"
+    "{% else %}{% for part in content %}"
     "{% if part['type'] == 'image' %}{{ '<image>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+VLM_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{% set content = messages[0]['content'] %}"
+    + _CONTENT
+    + "{{ '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}" + _CONTENT + "{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    + _CONTENT
+    + "{% for call in message.get('tool_calls') or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or content %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "{{ '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# transformers' response parsing for that format: `<tool_call>` JSON blocks become `tool_calls`.
+VLM_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
 
 
 def build_tiny_processor() -> LlavaProcessor:
@@ -51,6 +97,7 @@ def build_tiny_processor() -> LlavaProcessor:
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer.response_template = VLM_RESPONSE_TEMPLATE
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},

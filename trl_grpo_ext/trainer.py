@@ -174,7 +174,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
         datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
-        preparation.check_images(processing_class, datasets, args, self.agent, rollout_func)
+        preparation.check_images(processing_class, datasets, args, rollout_func)
 
         engine_folder = preparation.colocated_engine_folder(model, processing_class, args)
         model, self.ref_model = prepare_policy(model, args, peft_config)

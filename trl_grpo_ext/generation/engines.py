@@ -154,8 +154,11 @@ class EngineWorker:
                 prompt_ids, prompt_mask, self.generation_config, seed, *images
             )
             return GeneratedBatch(index, version, *tensors)
-        turns = self.tool_loop.run(self.engine, self.generation_config, seed, *prompts, tools)
-        return GeneratedBatch(index, version, *prompts, None, None, turns=turns)
+        prompt_ids, prompt_mask, *images = prompts  # images: the rollouts' fields, if any
+        turns = self.tool_loop.run(
+            self.engine, self.generation_config, seed, prompt_ids, prompt_mask, tools, *images
+        )
+        return GeneratedBatch(index, version, prompt_ids, prompt_mask, None, None, turns=turns)
 
     def result(self, index: int):
         return self._futures.pop(index).result()

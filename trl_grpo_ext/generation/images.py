@@ -19,6 +19,12 @@ log-probs, checkpoints) carries exactly its own images:
 - a per-token field (`token_type_ids`, `mm_token_type_ids`) stays `(N, P)`, aligned with the
   left-padded prompt ids.
 
+Images that tools return in multi-turn rollouts (`multi_turn.ToolLoop`) join their rollout's
+row after its prompt's images, in the order they came: their entries are appended to the
+per-image fields, and a per-token field gets its values over the completion's positions (the
+tool results' image tokens) in `<name>:completion` `(N, T)`; without one, the completion's
+positions are 0.
+
 `model_inputs` turns rows of that layout back into the keyword arguments of the model's forward.
 """
 
@@ -29,6 +35,7 @@ import torch
 IMAGE_COLUMNS = ("images", "image")
 PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
 COUNT = ":count"  # suffix of the entry counts of a per-image field
+COMPLETION = ":completion"  # suffix of a per-token field's values over the completion
 
 
 def is_processor(processing_class) -> bool:
@@ -122,30 +129,29 @@ ROLLOUT_FUNC_WITH_IMAGES = (
 )
 
 
-TOOL_RESULT_IMAGES = (
-    "A tool or environment returned an image ({'type': 'image'} content part), which this "
-    "version cannot give the model yet: its image tokens would reach the model without the "
-    "image. Return text (for example a description of the image) from the tool instead."
+TOOL_IMAGES_NEED_A_PROCESSOR = (
+    "A tool or environment returned an image ({'type': 'image'} content part), but "
+    "processing_class is a tokenizer, which cannot give the model images: the image would "
+    "reach it as text alone. Pass the model's processor as processing_class "
+    "(AutoProcessor.from_pretrained(model_id)) with a vision-language model, or return text "
+    "(for example a description of the image) from the tool."
 )
 
 
-def images_unsupported(args, multi_turn: bool = False, engine=None) -> str | None:
-    """Why prompts with images cannot be sampled with these settings (each path not yet
-    covered would sample from their text alone), or None when they can: single-turn, the
-    transformers engine, in the training process or the asynchronous rollout worker's."""
+def images_unsupported(args, engine=None) -> str | None:
+    """Why images cannot be sampled with these settings (a path not yet covered would sample
+    from the text alone), or None when they can: the transformers engine, single- or multi-turn,
+    in the training process or the asynchronous rollout worker's."""
     if getattr(args, "use_vllm", False):
         what = "use_vllm=True (vLLM does not receive the images yet)"
-    elif multi_turn:
-        what = "tools or environment_factory (multi-turn rollouts do not carry images yet)"
     elif engine is not None and not getattr(engine, "takes_images", False):
         what = f"the {type(engine).__name__} engine (it does not take images)"
     else:
         return None
     return (
         f"The dataset has images, which {what} would drop: the model would train on the "
-        "text alone. Images are supported with single-turn rollouts on the transformers "
-        "engine (max_staleness included): unset that setting, or drop the images from the "
-        "dataset."
+        "text alone. Images are supported with the transformers engine (max_staleness and "
+        "tools included): unset that setting, or drop the images from the dataset."
     )
 
 
@@ -243,24 +249,69 @@ def per_sample(
     return {name: value.repeat_interleave(group_size, dim=0) for name, value in rows.items()}
 
 
+def is_per_image(name: str) -> bool:
+    """Whether a field of the per-sample layout holds entries per image (not a per-token field,
+    nor the counts or completion values of one)."""
+    return name not in PER_TOKEN_FIELDS and not name.endswith((COUNT, COMPLETION))
+
+
 def model_inputs(rows: dict[str, torch.Tensor], completion_length: int = 0) -> dict:
     """The forward pass's keyword arguments from rows of the per-sample layout: per-image fields
     concatenated over the rows' own entries (in row order, as the processor returned them);
-    per-token fields extended with zeros over `completion_length` completion positions (already
-    extended when their width is the whole sequence's)."""
+    per-token fields extended over `completion_length` completion positions with their
+    `:completion` values (tool results' images), zeros without them."""
     inputs = {}
     for name, value in rows.items():
-        if name.endswith(COUNT):
+        if name.endswith((COUNT, COMPLETION)):
             continue
         if name in PER_TOKEN_FIELDS:
-            zeros = value.new_zeros((value.shape[0], completion_length))
-            inputs[name] = torch.cat([value, zeros], dim=1)  # (n, P + T)
+            completion = value.new_zeros((value.shape[0], completion_length))
+            if name + COMPLETION in rows:
+                given = rows[name + COMPLETION][:, :completion_length]
+                completion[:, : given.shape[1]] = given
+            inputs[name] = torch.cat([value, completion], dim=1)  # (n, P + T)
             continue
         counts = rows[name + COUNT].tolist()
         entries = [value[row, :count] for row, count in enumerate(counts)]
         if sum(counts):
             inputs[name] = torch.cat(entries)  # (entries of these rows, ...)
     return inputs
+
+
+def entries_of(rows: dict[str, torch.Tensor] | None, index: int) -> dict[str, torch.Tensor]:
+    """Row `index`'s own entries of each per-image field (its images', in order); empty for
+    None."""
+    if rows is None:
+        return {}
+    return {
+        name: value[index, : int(rows[name + COUNT][index])]
+        for name, value in rows.items()
+        if is_per_image(name)
+    }
+
+
+def stack_entries(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-image fields of rows given as each row's own entries (`entries_of`), in the padded
+    layout with counts; a row without a field has 0 of its entries."""
+    names = list(dict.fromkeys(name for row in entries for name in row))
+    stacked = {}
+    for name in names:
+        pieces = [row.get(name) for row in entries]
+        sample = next(piece for piece in pieces if piece is not None)
+        counts = torch.tensor([0 if piece is None else len(piece) for piece in pieces])
+        padded = sample.new_zeros((len(entries), int(counts.max()), *sample.shape[1:]))
+        for index, piece in enumerate(pieces):
+            if piece is not None:
+                padded[index, : len(piece)] = piece
+        stacked[name], stacked[name + COUNT] = padded, counts
+    return stacked
+
+
+def flat_entries(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The per-image fields of these rows concatenated in row order, as the processor returns
+    them for a batch (what `generate` takes)."""
+    names = list(dict.fromkeys(name for row in entries for name in row))
+    return {name: torch.cat([row[name] for row in entries if name in row]) for name in names}
 
 
 def select_rows(rows: dict[str, torch.Tensor] | None, index: torch.Tensor):
@@ -270,23 +321,32 @@ def select_rows(rows: dict[str, torch.Tensor] | None, index: torch.Tensor):
     return {name: value[index.to(value.device)] for name, value in rows.items()}
 
 
-def concat_rows(parts: list[dict | None], prompt_widths: list[int], prompt_width: int):
+def concat_rows(
+    parts: list[dict | None],
+    prompt_widths: list[int],
+    prompt_width: int,
+    sizes: list[int] | None = None,
+):
     """Rows of several rollouts joined: per-image fields zero-padded to the most entries,
-    per-token fields left-padded to the joined prompts' width. None when no part has images;
-    an error when only some have."""
+    per-token fields left-padded to the joined prompts' width (their completion values
+    right-padded). None when no part has images. A part without a field (`sizes` gives its row
+    count) has none of its entries, or zeros; without `sizes` every part must have them all."""
     present = [part for part in parts if part is not None]
     if not present:
         return None
-    names = list(present[0])
+    names = list(dict.fromkeys(name for part in present for name in part))
     joined = {}
     for name in names:
+        sample = next(part[name] for part in present if name in part)
         pieces = []
-        for part, width in zip(parts, prompt_widths):
-            value = part[name] if part is not None else None
-            if value is None:
+        for index, (part, width) in enumerate(zip(parts, prompt_widths)):
+            value = None if part is None else part.get(name)
+            if value is None and sizes is None:
                 raise ValueError(
                     "Rollouts with and without images cannot be joined; sample them together."
                 )
+            if value is None:
+                value = _absent(name, sample, sizes[index], width)
             if name in PER_TOKEN_FIELDS:
                 value = torch.cat([value.new_zeros((len(value), prompt_width - width)), value], 1)
             pieces.append(value)
@@ -301,3 +361,12 @@ def concat_rows(parts: list[dict | None], prompt_widths: list[int], prompt_width
             ]
         joined[name] = torch.cat(pieces)
     return joined
+
+
+def _absent(name: str, sample: torch.Tensor, rows: int, prompt_width: int) -> torch.Tensor:
+    """The values of field `name` for `rows` rows without images (`sample`: another part's)."""
+    if name.endswith(COUNT):
+        return sample.new_zeros((rows,))
+    if name in PER_TOKEN_FIELDS:
+        return sample.new_zeros((rows, prompt_width))
+    return sample.new_zeros((rows, 0, *sample.shape[2:]))  # no entries, no completion values

@@ -12,6 +12,10 @@ get no gradient and take part in no ratio or KL (TRL's `tool_mask`). `max_comple
 counts both: a tool result that would not fit ends the rollout before it (its messages are
 dropped, as in TRL), and the last turn is cut at the budget.
 
+A tool result may hold images (content parts, TRL's convention): with a vision-language model's
+processor, the processor renders and tokenises it, expanding its image placeholders, and the
+rollout carries those images into every later turn and into training (`turn_images.py`).
+
 Nothing here imports the tools package or the trainer: the caller hands over, for each rollout,
 its tools (an object with `functions`, what the chat template renders) and a runner that runs the
 calls of a whole batch (`run(calls) -> results`; each rollout's in the order the model wrote them,
@@ -23,8 +27,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from .images import TOOL_RESULT_IMAGES, has_image_parts
+from .images import PER_TOKEN_FIELDS, TOOL_IMAGES_NEED_A_PROCESSOR, has_image_parts
 from .rollout import CompletionEnds, left_padded
+from .turn_images import TurnImages
 
 MIN_TRL = "1.16"  # the TRL whose tool-calling contract and response templates this follows
 
@@ -37,12 +42,17 @@ class ToolCallFormat:
     that is not prefix-preserving is replaced by TRL's training template, so that a tool result
     appended as tokens is what the template would render.
 
+    With a vision-language model's `processor`, its chat template is the one checked and
+    rendered with (as TRL renders with the processor), and tool results with images are
+    rendered and tokenised by the processor (`result_tokens`).
+
     Args:
         tokenizer: the policy's tokenizer; its chat template must render tool calls and results.
         chat_template_kwargs (`dict`, *optional*): extra arguments of `apply_chat_template`.
+        processor (*optional*): the model's multimodal processor.
     """
 
-    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None, processor=None):
         import trl
         from packaging.version import Version
         from trl import chat_template_utils as utils
@@ -54,9 +64,10 @@ class ToolCallFormat:
                 f"pip install 'trl>={MIN_TRL}'."
             )
 
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = tokenizer, processor
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        if not utils.supports_tool_calling(tokenizer):
+        templated = processor if processor is not None else tokenizer
+        if not utils.supports_tool_calling(templated):
             raise ValueError(
                 "Tools were given, but the tokenizer's chat template cannot render a tool call and "
                 "its result (user -> assistant with tool_calls -> tool). Use the tokenizer of a "
@@ -70,7 +81,7 @@ class ToolCallFormat:
         )
         if not has_parser:
             try:
-                utils.add_response_schema(tokenizer)
+                utils.add_response_schema(templated)
             except ValueError as error:
                 raise ValueError(
                     "Tools were given, but the tokenizer's chat template is not one whose tool-call "
@@ -79,9 +90,9 @@ class ToolCallFormat:
                     "response parsing; docs/agents.md, 'Models without a tool format') before "
                     "building the trainer."
                 ) from error
-        self.chat_template = None  # the tokenizer's own
-        if not utils.is_chat_template_prefix_preserving(tokenizer):
-            self.chat_template = utils.get_training_chat_template(tokenizer)
+        self.chat_template = None if processor is None else processor.chat_template
+        if not utils.is_chat_template_prefix_preserving(templated):
+            self.chat_template = utils.get_training_chat_template(templated)
         self._parse = utils.parse_response
         self._render = dict(
             tokenize=True,
@@ -89,12 +100,50 @@ class ToolCallFormat:
             chat_template=self.chat_template,
             **self.chat_template_kwargs,
         )
-        self._stand_ins: dict[str, list[int]] = {}  # tool name -> its stand-in turn's tokens
+        self._stand_ins: dict[tuple, list[int]] = {}  # (tool name, by processor) -> tokens
 
     def parse(self, ids: list[int], prefix: list[int], tools) -> dict:
         """The assistant message of one turn, with its `tool_calls` when it made any (malformed
         calls come back as plain text, as in TRL)."""
         return self._parse(self.tokenizer, ids, prefix=prefix, tools=tools)
+
+    def result_tokens(self, tool_messages: list[dict]) -> tuple[list[int], dict | None]:
+        """`result_ids` of these tool results, and the processor's fields of their images
+        (`pixel_values`, ...; per-token fields over the returned ids), None without images.
+
+        Results with images are rendered after the stand-in call by the processor's chat
+        template and tokenised by the processor, which expands each image placeholder into the
+        model's image tokens, as TRL does."""
+        if not has_image_parts(tool_messages):
+            return self.result_ids(tool_messages), None
+        if self.processor is None:
+            raise ValueError(TOOL_IMAGES_NEED_A_PROCESSOR)
+        from trl.data_utils import prepare_multimodal_messages
+
+        name = tool_messages[0]["name"]
+        before = self._stand_in_ids(name, by_processor=True)
+        encoded = self.processor.apply_chat_template(
+            prepare_multimodal_messages(_stand_in(name) + tool_messages),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            chat_template=self.chat_template,
+            **self.chat_template_kwargs,
+        )
+        after = encoded["input_ids"][0].tolist()
+        if after[: len(before)] != before:
+            raise ValueError(
+                "The processor renders an assistant's tool call differently once a tool result "
+                "with an image follows it, so the result cannot be appended as tokens. Use a "
+                "prefix-preserving chat template."
+            )
+        fields = {}
+        for key, value in encoded.items():
+            if key in ("input_ids", "attention_mask"):
+                continue
+            fields[key] = value[0, len(before) :] if key in PER_TOKEN_FIELDS else value
+        return after[len(before) :], fields
 
     def result_ids(self, tool_messages: list[dict]) -> list[int]:
         """The tokens the chat template puts after an assistant's tool call for these tool
@@ -117,16 +166,30 @@ class ToolCallFormat:
             )
         return after[len(before) :]
 
-    def _stand_in_ids(self, name: str) -> list[int]:
+    def _stand_in_ids(self, name: str, by_processor: bool = False) -> list[int]:
         """The tokens of the stand-in conversation up to the end of its call turn (the last
-        eos), rendered once per tool name."""
-        if name not in self._stand_ins:
-            ids = self.tokenizer.apply_chat_template(
-                _stand_in(name), add_generation_prompt=False, **self._render
-            )
+        eos), rendered once per tool name, by the tokenizer or (`by_processor`, for results
+        with images) by the processor, as TRL renders it."""
+        key = (name, by_processor)
+        if key not in self._stand_ins:
+            if by_processor:
+                from trl.data_utils import prepare_multimodal_messages
+
+                ids = self.processor.apply_chat_template(
+                    prepare_multimodal_messages(_stand_in(name)),
+                    add_generation_prompt=False,
+                    tokenize=True,
+                    return_dict=False,
+                    chat_template=self.chat_template,
+                    **self.chat_template_kwargs,
+                )[0]
+            else:
+                ids = self.tokenizer.apply_chat_template(
+                    _stand_in(name), add_generation_prompt=False, **self._render
+                )
             eos = [i for i, token in enumerate(ids) if token == self.tokenizer.eos_token_id]
-            self._stand_ins[name] = ids[: eos[-1] + 1] if eos else ids
-        return self._stand_ins[name]
+            self._stand_ins[key] = ids[: eos[-1] + 1] if eos else ids
+        return self._stand_ins[key]
 
 
 def _stand_in(name: str) -> list[dict]:
@@ -154,6 +217,9 @@ class Turns:
             errors.
         ended (`list[bool]`): whether each rollout's last turn ended (eos or a stop string);
             False: truncated.
+        image_inputs (`dict[str, torch.Tensor]`, *optional*): each rollout's image fields, its
+            prompt's images then its tool results', in the per-sample layout of `images.py`;
+            None without images.
     """
 
     completion_ids: list[list[int]]
@@ -163,6 +229,7 @@ class Turns:
     calls: list[int]
     failures: list[int]
     ended: list[bool]
+    image_inputs: dict | None = None
 
 
 class ToolLoop:
@@ -208,11 +275,15 @@ class ToolLoop:
         other's settings or collide ("Already borrowed")."""
         format = copy.copy(self.format)
         format.tokenizer = copy.deepcopy(self.format.tokenizer)
+        if format.processor is not None:
+            format.processor = copy.deepcopy(format.processor)
         loop = copy.copy(self)
         loop.format = format
         return loop
 
-    def run(self, engine, generation_config, seed, prompt_ids, prompt_mask, tools) -> Turns:
+    def run(
+        self, engine, generation_config, seed, prompt_ids, prompt_mask, tools, image_inputs=None
+    ) -> Turns:
         """Samples one batch of rollouts, each one completion of its own prompt, through all
         their tool rounds.
 
@@ -224,11 +295,18 @@ class ToolLoop:
             prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts, `(N, P)`, rendered
                 with each rollout's tools.
             tools (`list`): each rollout's tools (`.functions` is what the template rendered).
+            image_inputs (`dict`, *optional*): the prompts' image fields, one row per rollout
+                (`images.per_sample`); the engine then takes `image_inputs` too.
         """
         config = copy.deepcopy(generation_config)
         config.num_return_sequences = 1  # every rollout continues its own history
         ends = CompletionEnds.of(self.eos_token_ids, self.stop_strings, self.format.tokenizer)
-        _, _, completion_ids, logps = engine.generate(prompt_ids, prompt_mask, config, seed)
+        images = TurnImages(image_inputs, prompt_mask)
+        prompt_width = prompt_ids.shape[1]
+        seen = images.prompt_inputs()
+        _, _, completion_ids, logps = engine.generate(
+            prompt_ids, prompt_mask, config, seed, **_with(seen)
+        )
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
         ids, logps, ended = ends.cut(completion_ids, logps)
         turns = Turns(
@@ -260,9 +338,7 @@ class ToolLoop:
                 turns.calls[i] += len(calls)
                 turns.failures[i] += sum(result.failed for result in calls)
                 messages = [result.message() for result in calls]
-                if has_image_parts(messages):
-                    raise ValueError(TOOL_RESULT_IMAGES)
-                suffix = self.format.result_ids(messages)
+                suffix, fields = self.format.result_tokens(messages)
                 length = len(turns.completion_ids[i]) + len(suffix)
                 # No room for the results and at least one token after them: the rollout ends at
                 # its call. It never ends on a result, which reward functions would read as the
@@ -272,6 +348,8 @@ class ToolLoop:
                     continue
                 if len(prompt_ids[i]) + length >= self.max_model_len:
                     continue
+                if fields is not None:  # the images reach every later turn and training
+                    images.add(i, len(turns.completion_ids[i]), fields)
                 turns.completions[i].extend(messages)
                 turns.completion_ids[i] += suffix
                 turns.tool_mask[i] += [0] * len(suffix)
@@ -286,8 +364,10 @@ class ToolLoop:
             )
             config.max_new_tokens = room
             prompt, mask = left_padded(contexts, self.pad_token_id)
+            lengths = [len(prompt_ids[i]) for i in continuing]
+            seen = images.generation_inputs(continuing, contexts, lengths)
             _, _, new_ids, new_logps = engine.generate(
-                prompt, mask, config, None if seed is None else seed + rounds
+                prompt, mask, config, None if seed is None else seed + rounds, **_with(seen)
             )
             new_ids, new_logps, new_ended = ends.cut(new_ids, new_logps)
             active = []
@@ -305,4 +385,12 @@ class ToolLoop:
                 turns.completions[i].append(message)
                 if message.get("tool_calls"):
                     active.append(i)
+        lengths = [len(ids) for ids in turns.completion_ids]
+        turns.image_inputs = images.rows(lengths, prompt_width)
         return turns
+
+
+def _with(image_inputs) -> dict:
+    """`generate`'s keyword for these image fields: none without images, so that an engine
+    that takes none is called as before."""
+    return {} if image_inputs is None else {"image_inputs": image_inputs}

@@ -94,7 +94,7 @@ class RolloutProducer:
         self.agent, self.tool_loop = agent, None
         format = chat_template = None
         if agent is not None:
-            format = ToolCallFormat(tokenizer, args.chat_template_kwargs)
+            format = ToolCallFormat(tokenizer, args.chat_template_kwargs, processor)
             chat_template = format.chat_template
         self.encoder = PromptEncoder(
             tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template, processor
@@ -196,13 +196,13 @@ class RolloutProducer:
 
     def _sample(self, rows, generation_config, version, seed) -> Rollout:
         engine = self.evaluation_engine(version)
-        if rows_have_images(rows):
-            self._check_images_supported()
-            return self._generate_with_images(rows, version, engine, seed, generation_config)
-        if self.tool_loop is not None:
+        if self.tool_loop is not None:  # prompts with images or without
             return self._generate_turns(
                 rows, version, engine, seed, self._outside_slot, generation_config
             )
+        if rows_have_images(rows):
+            self._check_images_supported()
+            return self._generate_with_images(rows, version, engine, seed, generation_config)
         prompt_ids, prompt_mask = self.encode(rows)
         prompt_ids, prompt_mask, completion_ids, behaviour_logps = engine.generate(
             prompt_ids, prompt_mask, generation_config, seed
@@ -248,9 +248,9 @@ class RolloutProducer:
         )
 
     def _check_images_supported(self) -> None:
-        """Prompts with images go through the single-turn transformers path only, for now: any
-        other path would sample from their text alone, so it is an error that says so."""
-        unsupported = images_unsupported(self.args, self.tool_loop is not None, self.engine)
+        """Prompts with images go through the transformers engine only, for now: any other
+        would sample from their text alone, so it is an error that says so."""
+        unsupported = images_unsupported(self.args, self.engine)
         if unsupported:
             raise ValueError(unsupported)
 
@@ -373,12 +373,19 @@ class RolloutProducer:
         environment's `reset` may add to it), tools and history."""
         group = generation_config.num_return_sequences or 1
         prompts, tools, environments, encoded = self._start_turns(rows, group, slot)
-        turns = self.tool_loop.run(engine, generation_config, seed, *encoded, tools)
-        return self._turns_rollout(rows, group, prompts, *encoded, turns, environments, version)
+        prompt_ids, prompt_mask, *images = encoded  # images: the prompts' fields, if any
+        turns = self.tool_loop.run(
+            engine, generation_config, seed, prompt_ids, prompt_mask, tools, *images
+        )
+        return self._turns_rollout(
+            rows, group, prompts, prompt_ids, prompt_mask, turns, environments, version
+        )
 
     def _start_turns(self, rows, group: int, slot):
         """Starts a multi-turn batch: each rollout's prompt, tools and environment (those of
-        `slot`, reset with its row), and the prompts rendered with the tools' schemas."""
+        `slot`, reset with its row), and the prompts rendered with the tools' schemas:
+        `(prompt_ids, prompt_mask)`, and for prompts with images the rollouts' fields third
+        (`images.per_sample`, one row per rollout), the images in the prompts' messages."""
         prompts, tools, environments = self.agent.start(rows, group, slot)
         if not is_conversational(prompts[0]):
             raise ValueError(
@@ -386,8 +393,21 @@ class RolloutProducer:
                 "chat template renders with the tools' schemas; got plain strings. Give the "
                 'prompts as [{"role": "user", "content": ...}].'
             )
-        encoded = self.encoder.encode(prompts, [t.functions for t in tools])
-        return prompts, tools, environments, encoded
+        functions = [t.functions for t in tools]
+        if not rows_have_images(rows):
+            return prompts, tools, environments, self.encoder.encode(prompts, functions)
+        self._check_images_supported()
+        expanded = [row for row in rows for _ in range(group)]
+        prepared = [
+            prompt_with_images({**row, "prompt": prompt}) for row, prompt in zip(expanded, prompts)
+        ]
+        prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
+        prompt_ids, prompt_mask, fields = self.encoder.encode_with_images(
+            prompts, images, functions
+        )
+        counts = [len(i) for i in images]
+        image_rows = per_sample(fields, counts, prompt_ids.shape[1])
+        return prompts, tools, environments, (prompt_ids, prompt_mask, image_rows)
 
     def _turns_rollout(
         self, rows, group, prompts, prompt_ids, prompt_mask, turns, environments, version
@@ -404,6 +424,7 @@ class RolloutProducer:
             logps=turns.logps,
             tool_mask=turns.tool_mask,
             version=version,
+            image_inputs=turns.image_inputs,
         )
         rollout.tool_calls = torch.tensor(turns.calls)
         rollout.tool_failures = torch.tensor(turns.failures)
@@ -569,7 +590,7 @@ class RolloutProducer:
         batch, started now with the environments of `slot`, `(prompts, seed, tools)`. The
         prompts are `(prompt_ids, prompt_mask)`, with the processor's fields third for prompts
         with images (kept for `consume` with the prompts' messages)."""
-        if rows_have_images(rows):
+        if self.tool_loop is None and rows_have_images(rows):
             prompts, encoded, counts = self._encode_images(rows)
             self._with_images[index] = (prompts, encoded[2], counts)
             return encoded, seed

@@ -140,28 +140,32 @@ class PromptEncoder:
             prompt_ids, prompt_mask = prompt_ids[:, -limit:], prompt_mask[:, -limit:]
         return prompt_ids, prompt_mask
 
-    def encode_with_images(self, prompts: list, images: list[list]):
-        """`(prompt_ids, prompt_mask, fields)` of conversational prompts with images: rendered
+    def encode_with_images(self, prompts: list, images: list[list], tools: list | None = None):
+        """`(prompt_ids, prompt_mask, fields)` of conversational prompts with images (and each
+        prompt's `tools`, when given): rendered
         by the processor's chat template and tokenised by the processor, which expands each
         image placeholder into the model's image tokens; `fields` are its other outputs
         (`pixel_values`, ...), flattened over the images of the batch. Prompts are never cut
         here: a cut could drop image tokens that the image features must match, so a prompt
-        longer than `max_prompt_length` is an error."""
+        longer than `max_prompt_length` (without its tools' schemas) is an error."""
         if self.processor is None:
             raise ValueError(
                 "These prompts have images, but processing_class is a tokenizer, which would "
                 "train on their text alone. Pass the model's processor as processing_class "
                 "(AutoProcessor.from_pretrained(model_id)), or drop the images from the dataset."
             )
+        tools = tools or [None] * len(prompts)
         texts = [
             self.processor.apply_chat_template(
                 prompt,
+                tools=tool or None,  # `or None`: Llama's template writes tool boilerplate for []
+                chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=prompt[-1]["role"] != "assistant",
                 continue_final_message=prompt[-1]["role"] == "assistant",
                 **self.chat_template_kwargs,
             )
-            for prompt in prompts
+            for prompt, tool in zip(prompts, tools)
         ]
         encoded = self.processor(
             text=texts,
@@ -174,6 +178,10 @@ class PromptEncoder:
         prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (B, P)
         limit = self.max_prompt_length
         longest = int(prompt_mask.sum(dim=1).max())
+        if limit is not None and longest > limit and any(tools):
+            # As for text: the limit is on the prompts' own messages, not the tools' schemas.
+            own = self.encode_with_images(prompts, images)[1]
+            longest = int(own.sum(dim=1).max())
         if limit is not None and longest > limit:
             raise ValueError(
                 f"A prompt with images has {longest} tokens (its image tokens included), more "

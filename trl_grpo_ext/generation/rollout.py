@@ -345,5 +345,6 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
             [r.image_inputs for r in rollouts],
             [r.prompt_ids.shape[1] for r in rollouts],
             prompt_width,
+            [len(r) for r in rollouts],
         ),
     )
