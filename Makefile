@@ -64,8 +64,14 @@ LOWEST_TESTS := config constructor_parity recipe data layout readme docs gpu_pre
 	off_policy batches trainer checkpoints sampling rollout logprobs tiny tiny_heads \
 	gradient_checkpointing reward_models rewards rewards_in_trl engines evaluation subclassing \
 	distributed sharded
+# Within those files, runs of the package's own logic that the newest releases cover: a script
+# run end to end, the evaluation script, the entropy pool across processes (35 s of 155).
+LOWEST_DESELECT := test_recipe.py::test_script_entry_point_runs_and_a_missing_plotting_library_only_warns \
+	test_evaluation.py::test_eval_script_on_a_local_adapter \
+	test_distributed.py::test_top_entropy_quantile_pools_the_tokens_of_all_processes
 test-lowest: $(LOWEST_STAMP)
-	$(LOWEST)/bin/python -m pytest -q $(patsubst %,tests/test_%.py,$(LOWEST_TESTS))
+	$(LOWEST)/bin/python -m pytest -q $(patsubst %,tests/test_%.py,$(LOWEST_TESTS)) \
+		$(patsubst %,--deselect tests/%,$(LOWEST_DESELECT))
 
 train: $(STAMP)
 	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
