@@ -21,6 +21,26 @@ import pytest  # noqa: E402
 from trl_grpo_ext.tiny import build_tiny_tokenizer, save_tiny  # noqa: E402
 
 
+# Files whose tests run the Python tool's sandbox and then check that no sandbox process, folder
+# or cgroup is left on the machine. Under pytest-xdist (`make test`), they run on one worker, one
+# after another, so that one file's check never counts another file's sandbox at work.
+SANDBOX_FILES = {"test_run_python.py", "test_tools.py", "test_tool_formats.py", "test_recipe.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (each file's tests on one worker, its module fixtures built once), with
+    the files of SANDBOX_FILES as one file."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SandboxFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return "sandbox" if os.path.basename(scope) in SANDBOX_FILES else scope
+
+    return SandboxFilesTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()
