@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 
 from trl_grpo_ext.tiny import build_tiny_tokenizer, save_tiny  # noqa: E402
 
-
 # Files whose tests run the Python tool's sandbox and then check that no sandbox process, folder
 # or cgroup is left on the machine. Under pytest-xdist (`make test`), they run on one worker, one
 # after another, so that one file's check never counts another file's sandbox at work.
