@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..logprobs import float32_head, token_logprobs
+from . import compacting
 from .merged_adapters import merged_lora
 from .sampling import isolated_from_checkpoint
 
@@ -29,6 +30,7 @@ def generate_with_transformers(
     return_logprobs: bool = False,
     tokenizer=None,
     image_inputs: dict[str, torch.Tensor] | None = None,
+    compact_finished_rows: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -70,10 +72,10 @@ def generate_with_transformers(
         else:
             encoded["tokenizer"] = tokenizer
     with isolated_from_checkpoint(model):
-        return _generate(model, encoded, generation_config, return_logprobs)
+        return _generate(model, encoded, generation_config, return_logprobs, compact_finished_rows)
 
 
-def _generate(model, encoded, generation_config, return_logprobs):
+def _generate(model, encoded, generation_config, return_logprobs, compact_finished_rows=False):
     group_size = generation_config.num_return_sequences or 1
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
@@ -84,9 +86,13 @@ def _generate(model, encoded, generation_config, return_logprobs):
         generation_config.return_dict_in_generate = True
     generated = None
     if group_size > 1 and generation_config.do_sample:
-        generated = _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
+        generated = _generate_groups(
+            model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished_rows
+        )
     if generated is None:
-        output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
+        output = compacting.generate(
+            model, generation_config, compact_finished_rows, **encoded
+        )  # (B*G, P + T)
         if return_logprobs:
             generated = output.sequences[:, prompt_length:], output.logits
         else:
@@ -103,7 +109,9 @@ def _generate(model, encoded, generation_config, return_logprobs):
     return prompt_ids, prompt_mask, completion_ids, torch.cat(logps, dim=1)
 
 
-def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config):
+def _generate_groups(
+    model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished=False
+):
     """Completions `(B*G, T)` with each prompt encoded once, and the raw logits of each step
     (`T x (B*G, V)`, or None unless `generation_config.output_logits`); None where the model's
     `generate` does not return a reusable cache.
@@ -148,10 +156,12 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
         rest_config.min_new_tokens = max(generation_config.min_new_tokens - 1, 0)
     input_ids = torch.cat([prompt_ids, first_tokens], dim=1)  # (B*G, P + 1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(first_tokens)], dim=1)
-    output = model.generate(
+    output = compacting.generate(
+        model,
+        rest_config,
+        compact_finished,
         input_ids=input_ids,
         attention_mask=attention_mask,
-        generation_config=rest_config,
         tokenizer=encoded.get("tokenizer"),  # for stop strings
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
