@@ -29,7 +29,9 @@ class RowsPerPass:
 
     def __init__(self, layer):
         self.rows = []
-        self.handle = layer.register_forward_hook(lambda _, args, __: self.rows.append(len(args[0])))
+        self.handle = layer.register_forward_hook(
+            lambda _, args, __: self.rows.append(len(args[0]))
+        )
 
     def take(self) -> list[int]:
         rows, self.rows = self.rows, []
