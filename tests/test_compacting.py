@@ -2,13 +2,19 @@
 and behaviour log-probs as `generate` running every row to the end, for the same seed, under each
 generation setting, and fewer rows in each forward pass once rows have finished."""
 
+import contextlib
+
 import pytest
 import torch
 from PIL import Image
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
 from trl_grpo_ext.generation.rollout import completion_mask_from_ids
-from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
+from trl_grpo_ext.generation.transformers_engine import (
+    TransformersEngine,
+    generate_with_transformers,
+    seeded,
+)
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 from trl_grpo_ext.tiny_vlm import tiny_vlm_and_processor
 
@@ -210,3 +216,24 @@ def test_prompts_with_images(tiny):
     got = sample(model, prompts, config, compact=True, image_inputs=dict(encoded))
     assert sum(counter.take()) < sum(full_rows)
     assert_same(got, want, ends, 4)
+
+
+def test_the_engine_drops_finished_rows_by_default(tiny):
+    model, tokenizer = tiny
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    config = sampling_config(
+        max_new_tokens=24,
+        eos_token_id=[tokenizer.eos_token_id, *MANY_ENDS],
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=4,
+    )
+    counter = RowsPerPass(model.model.layers[0])
+    engines = {
+        compact: TransformersEngine(lambda: contextlib.nullcontext(model), **options)
+        for compact, options in [(True, {}), (False, {"compact_finished_rows": False})]
+    }
+    got = engines[True].generate(*prompts, config, seed=5)
+    rows = counter.take()
+    want = engines[False].generate(*prompts, config, seed=5)
+    assert sum(rows) < sum(counter.take())
+    assert torch.equal(got[2], want[2])
