@@ -237,3 +237,19 @@ def test_the_engine_drops_finished_rows_by_default(tiny):
     want = engines[False].generate(*prompts, config, seed=5)
     assert sum(rows) < sum(counter.take())
     assert torch.equal(got[2], want[2])
+
+
+def test_without_a_cache_every_row_runs_as_in_generate(tiny):
+    model, tokenizer = tiny
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    ends = [tokenizer.eos_token_id, *MANY_ENDS]
+    config = sampling_config(
+        max_new_tokens=10,
+        eos_token_id=ends,
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=2,
+        generation_kwargs={"use_cache": False},
+    )
+    want = sample(model, prompts, config, compact=False)
+    got = sample(model, prompts, config, compact=True)
+    assert_same(got, want, ends, 1)  # no prompts' cache to share: `generate` samples it all

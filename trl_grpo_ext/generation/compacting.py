@@ -134,11 +134,12 @@ def compacting_sample(
         and _dynamic(model_kwargs.get("cache"))
         and _row_wise(logits_processor, stopping_criteria, model_kwargs)
     )
+    next_sequence_length = 1 if model_kwargs.get("use_cache") else None
     with model._optimize_model_for_decode():
         while True:
             if outputs is None:
                 model_inputs = model.prepare_inputs_for_generation(
-                    sequences[running], next_sequence_length=1, **model_kwargs
+                    sequences[running], next_sequence_length=next_sequence_length, **model_kwargs
                 )
                 outputs = model(**model_inputs, return_dict=True)
                 model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
@@ -158,10 +159,12 @@ def compacting_sample(
                 scores.append(_all_rows(step_scores, running, num_rows))
             done = stopping_criteria(sequences[running], step_scores)  # (n,)
             unfinished[running] &= ~done
-            if not bool(unfinished.any()):
+            still = unfinished[running]  # (n,); the finished rows not running are done anyway
+            left = int(still.sum())  # the step's one wait on the device, as in `generate`
+            if left == 0:
                 break
-            if compact and not bool(unfinished[running].all()):
-                keep = unfinished[running].nonzero().squeeze(1)  # (n',) in the running batch
+            if compact and left < len(running):
+                keep = still.nonzero().squeeze(1)  # (n',) in the running batch
                 running = running[keep]
                 _select_rows(model_kwargs, logits_processor, keep)
     if not return_dict:
