@@ -78,17 +78,20 @@ def _compare(model_dir: str, args) -> dict:
     cpu = {name: 0.0 for name in runs}
     tokens = {name: 0 for name in runs}
     row_steps, finished_steps, same = 0, 0, True
-    completions = {}
+    completions, cpu_ratios = {}, []  # per repeat: CPU time compacting / every row
     for repeat in range(args.repeats):
+        repeat_cpu = {}
         for name, compact in runs.items():
             started, started_cpu = time.perf_counter(), time.process_time()
             completion_ids = sample(compact, repeat)  # (B*G, T)
             wall[name] += time.perf_counter() - started
-            cpu[name] += time.process_time() - started_cpu
+            repeat_cpu[name] = time.process_time() - started_cpu
+            cpu[name] += repeat_cpu[name]
             mask, _ = completion_mask_from_ids(completion_ids, eos)
             tokens[name] += int(mask.sum())
             completions[name] = completion_ids
         same = same and _same(*completions.values())
+        cpu_ratios.append(repeat_cpu["finished rows leave"] / repeat_cpu["all rows to the end"])
         row_steps += mask.numel()
         finished_steps += int(mask.numel() - mask.sum())
     print(
@@ -107,9 +110,10 @@ def _compare(model_dir: str, args) -> dict:
     print(
         f"\nrow-steps on finished rows without compaction: {finished_steps / row_steps:.1%}; "
         f"compacting/not: wall {per_1k[compact_name] / per_1k[full_name]:.2f}, "
-        f"CPU {cpu_per_1k[compact_name] / cpu_per_1k[full_name]:.2f}; same tokens: {same}"
+        f"CPU {cpu_per_1k[compact_name] / cpu_per_1k[full_name]:.2f} (per repeat "
+        f"{min(cpu_ratios):.2f} to {max(cpu_ratios):.2f}); same tokens: {same}"
     )
-    return {"wall": wall, "cpu": cpu, "tokens": tokens, "same": same}
+    return {"wall": wall, "cpu": cpu, "tokens": tokens, "same": same, "cpu_ratios": cpu_ratios}
 
 
 def _same(first, second) -> bool:
