@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from PIL import Image
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
@@ -218,8 +219,13 @@ def test_prompts_with_images(tiny):
     assert_same(got, want, ends, 4)
 
 
-def test_the_engine_drops_finished_rows_by_default(tiny):
-    model, tokenizer = tiny
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_engine_drops_finished_rows_by_default(lora):
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    layer = model.model.layers[0]
+    if lora:  # the trainer's policy under LoRA, sampled with its adapters merged
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model.eval()
     prompts = PromptEncoder(tokenizer).encode(PROMPTS)
     config = sampling_config(
         max_new_tokens=24,
@@ -227,7 +233,7 @@ def test_the_engine_drops_finished_rows_by_default(tiny):
         pad_token_id=tokenizer.pad_token_id,
         num_return_sequences=4,
     )
-    counter = RowsPerPass(model.model.layers[0])
+    counter = RowsPerPass(layer)
     engines = {
         compact: TransformersEngine(lambda: contextlib.nullcontext(model), **options)
         for compact, options in [(True, {}), (False, {"compact_finished_rows": False})]

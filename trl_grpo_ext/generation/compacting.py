@@ -26,6 +26,7 @@ model inputs whose rows can be selected (`ROW_INPUTS`). Otherwise the loop runs 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -93,10 +94,24 @@ def can_compact(model) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
+    if not _has_generate_internals(model):
+        return False
     if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
         return False
     # Qwen2-VL-style models keep the prompts' rotary offsets per row on the model itself.
     return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
+
+
+def _has_generate_internals(model) -> bool:
+    """The parts of `generate`'s own loop that `compacting_sample` calls (transformers 5.24);
+    an older or newer `generate` without them samples as it is."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    return (
+        hasattr(model, "_prefill")
+        and hasattr(model, "_optimize_model_for_decode")
+        and prepare is not None
+        and "next_sequence_length" in inspect.signature(prepare).parameters
+    )
 
 
 def _dynamic(cache) -> bool:
