@@ -173,3 +173,12 @@ def test_merged_sampling_draws_the_same_tokens_as_unmerged(capsys):
     report = load("merged_sampling").main(["--model", "tiny", "--repeats", "1"])
     assert report["tokens"]["ours, merged"] == report["tokens"]["ours, unmerged"]
     assert "same tokens sampled: True" in capsys.readouterr().out
+
+
+def test_compact_sampling_draws_the_same_tokens_both_ways(capsys):
+    report = load("compact_sampling").main(
+        ["--model", "tiny", "--repeats", "1", "--max-tokens", "8"]
+    )
+    assert report["same"]
+    assert report["tokens"]["finished rows leave"] == report["tokens"]["all rows to the end"]
+    assert "same tokens: True" in capsys.readouterr().out

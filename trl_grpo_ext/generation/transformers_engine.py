@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..logprobs import float32_head, token_logprobs
+from . import compacting
 from .merged_adapters import merged_lora
 from .sampling import isolated_from_checkpoint
 
@@ -29,6 +30,7 @@ def generate_with_transformers(
     return_logprobs: bool = False,
     tokenizer=None,
     image_inputs: dict[str, torch.Tensor] | None = None,
+    compact_finished_rows: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -39,6 +41,12 @@ def generate_with_transformers(
     G times from that one pass, and the rest of the group continues from the prompt's cache
     repeated G times. The number of forward passes is that of one `generate` call that expands
     each prompt into its group first, which encodes every prompt G times.
+
+    Rows that have finished leave the batch and the KV cache at the next step
+    (`compacting.compacting_sample`), so the last steps cost only the rows still sampling; the
+    tokens are those `generate` samples for the same seed. Where that would not be exact (an
+    unknown logits processor, a cache whose rows cannot be selected, ZeRO-3 or FSDP), every
+    row runs to the end as in `generate`.
 
     With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
     policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
@@ -54,6 +62,8 @@ def generate_with_transformers(
         image_inputs (`dict[str, torch.Tensor]`, *optional*): the processor's multimodal
             fields of the B prompts (`pixel_values`, ...), as it returned them; the vision tower
             runs on them once, in the pass that encodes the prompts.
+        compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave
+            the batch; `False` runs every row until the longest ends, as `generate` does.
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
@@ -70,10 +80,10 @@ def generate_with_transformers(
         else:
             encoded["tokenizer"] = tokenizer
     with isolated_from_checkpoint(model):
-        return _generate(model, encoded, generation_config, return_logprobs)
+        return _generate(model, encoded, generation_config, return_logprobs, compact_finished_rows)
 
 
-def _generate(model, encoded, generation_config, return_logprobs):
+def _generate(model, encoded, generation_config, return_logprobs, compact_finished_rows=True):
     group_size = generation_config.num_return_sequences or 1
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
@@ -84,9 +94,13 @@ def _generate(model, encoded, generation_config, return_logprobs):
         generation_config.return_dict_in_generate = True
     generated = None
     if group_size > 1 and generation_config.do_sample:
-        generated = _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
+        generated = _generate_groups(
+            model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished_rows
+        )
     if generated is None:
-        output = model.generate(**encoded, generation_config=generation_config)  # (B*G, P + T)
+        output = compacting.generate(
+            model, generation_config, compact_finished_rows, **encoded
+        )  # (B*G, P + T)
         if return_logprobs:
             generated = output.sequences[:, prompt_length:], output.logits
         else:
@@ -103,10 +117,13 @@ def _generate(model, encoded, generation_config, return_logprobs):
     return prompt_ids, prompt_mask, completion_ids, torch.cat(logps, dim=1)
 
 
-def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config):
+def _generate_groups(
+    model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished=True
+):
     """Completions `(B*G, T)` with each prompt encoded once, and the raw logits of each step
     (`T x (B*G, V)`, or None unless `generation_config.output_logits`); None where the model's
-    `generate` does not return a reusable cache.
+    `generate` does not return a reusable cache. With `compact_finished`, step 3 drops each row
+    from the batch once it has ended (`compacting.generate`).
 
     1. `generate` one token for the B prompts, keeping the processed scores (temperature,
        top-k/p, ... applied) and the prompts' cache: one forward pass of B rows.
@@ -148,10 +165,12 @@ def _generate_groups(model, encoded, prompt_ids, prompt_mask, generation_config)
         rest_config.min_new_tokens = max(generation_config.min_new_tokens - 1, 0)
     input_ids = torch.cat([prompt_ids, first_tokens], dim=1)  # (B*G, P + 1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(first_tokens)], dim=1)
-    output = model.generate(
+    output = compacting.generate(
+        model,
+        rest_config,
+        compact_finished,
         input_ids=input_ids,
         attention_mask=attention_mask,
-        generation_config=rest_config,
         tokenizer=encoded.get("tokenizer"),  # for stop strings
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
@@ -207,6 +226,8 @@ class TransformersEngine:
         merge_adapters (`bool`, *optional*, defaults to `True`): samples with the LoRA adapters
             merged into the base weights where that is exact enough (`merged_adapters.py`),
             fewer matmuls per decoding step; the base weights are restored bit for bit after.
+        compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave the
+            batch while sampling (`compacting.py`), the same tokens for the same seed.
     """
 
     own_weights = False  # it samples with the trainer's model: nothing to publish
@@ -214,10 +235,16 @@ class TransformersEngine:
     takes_images = True  # `generate` takes the processor's multimodal fields
 
     def __init__(
-        self, policy, cast_lm_head_to_fp32: bool = False, tokenizer=None, merge_adapters=True
+        self,
+        policy,
+        cast_lm_head_to_fp32: bool = False,
+        tokenizer=None,
+        merge_adapters=True,
+        compact_finished_rows=True,
     ):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
         self.tokenizer, self.merge_adapters = tokenizer, merge_adapters
+        self.compact_finished_rows = compact_finished_rows
         self._said_why_unmerged = False
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
@@ -235,6 +262,7 @@ class TransformersEngine:
                     generation_config=generation_config,
                     tokenizer=self.tokenizer,
                     image_inputs=image_inputs,
+                    compact_finished_rows=self.compact_finished_rows,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 

@@ -1,0 +1,238 @@
+"""A sampling loop in which finished rows leave the batch and the KV cache.
+
+`generate` decodes every row until the longest ends: a row that has reached its end-of-sequence
+token still runs through the model at each later step, its token replaced by padding. With
+completions of spread lengths much of the last steps' compute goes to rows already done.
+`compacting_sample` is `generate`'s own sampling loop (`GenerationMixin._sample`) with one
+change: after each step, the rows that have finished leave the batch, the KV cache
+(`Cache.batch_select_indices`) and the attention mask, so each forward pass costs the rows
+still running. It is passed to `generate` as `custom_generate`, so the generation config, the
+logits processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
+tokens, ...), the stopping criteria and the cache are built by `generate` as for any call.
+
+Same tokens for the same seed. `torch.multinomial(probs, 1)` draws `q ~ Exp(1)` for every entry
+of `probs` and takes `argmax(probs / q)`; here the exponential noise is drawn each step for all
+rows of the batch, finished ones included, and the running rows take theirs: the random stream,
+and each row's draw, are those of `generate`. A row's logits can differ in the last bits with
+the number of rows in the forward pass (the matrix products' blocking), so a near tie can
+sample differently on rare occasions; the tests check the same tokens on the tiny model.
+
+Rows are dropped only where that is exact: with an end-of-sequence criterion (finished rows
+are then padding in `generate` too), logits processors and stopping criteria that look at
+each row alone (`ROW_WISE_PROCESSORS`, `ROW_WISE_CRITERIA`), a cache of dynamic layers, and
+model inputs whose rows can be selected (`ROW_INPUTS`). Otherwise the loop runs as `generate`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation import (
+    GenerateDecoderOnlyOutput,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
+
+# Processors whose output for a row depends on that row's tokens and scores only.
+ROW_WISE_PROCESSORS = frozenset(
+    {
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "RepetitionPenaltyLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "SuppressTokensLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "InfNanRemoveLogitsProcessor",
+    }
+)
+ROW_WISE_CRITERIA = frozenset(
+    {"MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria", "StopStringCriteria"}
+)
+# Model inputs of shape (rows, length) that `generate` carries from step to step.
+ROW_INPUTS = ("attention_mask", "token_type_ids", "mm_token_type_ids", "position_ids")
+NOT_ROW_INPUTS = frozenset({"cache", "past_key_values", "use_cache", "cache_position"})
+
+
+def generate(model, generation_config, compact: bool = True, **inputs):
+    """`model.generate(**inputs, generation_config=generation_config)`, with `compacting_sample`
+    as its loop where `compact` and `can_compact(model)`; the same output either way."""
+    if not (compact and can_compact(model)):
+        return model.generate(**inputs, generation_config=generation_config)
+    tokenizer = inputs.pop("tokenizer", None)
+    if generation_config.stop_strings and tokenizer is not None:
+        # `generate` hands a `custom_generate` loop no tokenizer: the stop strings come as a
+        # stopping criterion instead
+        criterion = StopStringCriteria(tokenizer, generation_config.stop_strings)
+        inputs["stopping_criteria"] = StoppingCriteriaList([criterion])
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.stop_strings = None
+    return model.generate(
+        **inputs, generation_config=generation_config, custom_generate=compacting_sample
+    )
+
+
+def can_compact(model) -> bool:
+    """Whether `compacting_sample` may run for this model: a decoder-only model without
+    per-batch rotary state, whose ranks do not have to run forward passes in step
+    (`generate`'s `synced_gpus` under ZeRO-3 or FSDP, which a shrinking batch would break)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    if not _has_generate_internals(model):
+        return False
+    if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
+        return False
+    # Qwen2-VL-style models keep the prompts' rotary offsets per row on the model itself.
+    return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
+
+
+def _has_generate_internals(model) -> bool:
+    """The parts of `generate`'s own loop that `compacting_sample` calls (transformers 5.24);
+    an older or newer `generate` without them samples as it is."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    return (
+        hasattr(model, "_prefill")
+        and hasattr(model, "_optimize_model_for_decode")
+        and prepare is not None
+        and "next_sequence_length" in inspect.signature(prepare).parameters
+    )
+
+
+def _dynamic(cache) -> bool:
+    """A `DynamicCache` of full or sliding-window attention layers: rows can be selected."""
+    return isinstance(cache, DynamicCache) and all(
+        isinstance(layer, DynamicLayer) for layer in cache.layers
+    )
+
+
+def compacting_sample(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs
+):
+    """`GenerationMixin._sample` (multinomial sampling) with finished rows leaving the batch.
+
+    Called by `generate(..., custom_generate=compacting_sample)`, with the arguments `generate`
+    passes to its own loop. Returns the `generate` output for that config: the sequences
+    `(N, L + T)` (padding after each row's end) and, with `output_logits`, the raw logits of
+    each step `T x (N, V)` (zeros for the rows that had finished).
+    """
+    pad_token_id = generation_config._pad_token_tensor
+    return_dict = generation_config.return_dict_in_generate
+    output_logits = return_dict and generation_config.output_logits
+    output_scores = return_dict and generation_config.output_scores
+    do_sample = generation_config.do_sample
+    has_end = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    num_rows = input_ids.shape[0]
+    unfinished = torch.ones(num_rows, dtype=torch.bool, device=input_ids.device)
+    running = torch.arange(num_rows, device=input_ids.device)  # rows in the forward pass
+    sequences = input_ids  # (N, L), all rows
+    raw_logits, scores = [], []
+    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+    compact = (
+        has_end
+        and _dynamic(model_kwargs.get("cache"))
+        and _row_wise(logits_processor, stopping_criteria, model_kwargs)
+    )
+    next_sequence_length = 1 if model_kwargs.get("use_cache") else None
+    with model._optimize_model_for_decode():
+        while True:
+            if outputs is None:
+                model_inputs = model.prepare_inputs_for_generation(
+                    sequences[running], next_sequence_length=next_sequence_length, **model_kwargs
+                )
+                outputs = model(**model_inputs, return_dict=True)
+                model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # (n, V)
+            outputs = None
+            step_scores = logits_processor(sequences[running], logits)  # (n, V)
+            next_tokens = _next_tokens(step_scores, running, num_rows, do_sample)  # (n,)
+            if has_end:  # finished rows get padding, as in `generate`
+                step_tokens = pad_token_id.to(next_tokens.device).expand(num_rows).clone()
+                step_tokens[running] = torch.where(unfinished[running], next_tokens, pad_token_id)
+            else:  # nothing finishes before the last step: every row runs
+                step_tokens = next_tokens
+            sequences = torch.cat([sequences, step_tokens[:, None]], dim=-1)  # (N, L + t + 1)
+            if output_logits:
+                raw_logits.append(_all_rows(logits, running, num_rows))
+            if output_scores:
+                scores.append(_all_rows(step_scores, running, num_rows))
+            done = stopping_criteria(sequences[running], step_scores)  # (n,)
+            unfinished[running] &= ~done
+            still = unfinished[running]  # (n,); the finished rows not running are done anyway
+            left = int(still.sum())  # the step's one wait on the device, as in `generate`
+            if left == 0:
+                break
+            if compact and left < len(running):
+                keep = still.nonzero().squeeze(1)  # (n',) in the running batch
+                running = running[keep]
+                _select_rows(model_kwargs, logits_processor, keep)
+    if not return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores) if output_scores else None,
+        logits=tuple(raw_logits) if output_logits else None,
+        cache=model_kwargs.get("cache"),
+    )
+
+
+def _next_tokens(scores, running, num_rows: int, do_sample: bool) -> torch.Tensor:
+    """The running rows' tokens, as `generate` picks them for all rows: the argmax, or
+    `torch.multinomial(probs, 1)`, that is `argmax(probs / q)` with `q ~ Exp(1)` drawn for
+    every entry of the `(N, V)` probabilities of all rows, of which the running rows use theirs."""
+    if not do_sample:
+        return torch.argmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)  # (n, V)
+    noise = torch.empty((num_rows, probs.shape[1]), dtype=probs.dtype, device=probs.device)
+    noise.exponential_(1)  # (N, V)
+    return (probs / noise[running]).argmax(dim=-1)
+
+
+def _row_wise(logits_processor, stopping_criteria, model_kwargs: dict) -> bool:
+    """Whether every processor, criterion and carried model input treats rows independently."""
+    for key, value in model_kwargs.items():
+        if key in NOT_ROW_INPUTS or not isinstance(value, torch.Tensor):
+            continue
+        if key not in ROW_INPUTS or value.dim() != 2:
+            return False
+    return all(
+        type(processor).__name__ in ROW_WISE_PROCESSORS for processor in logits_processor
+    ) and all(type(criterion).__name__ in ROW_WISE_CRITERIA for criterion in stopping_criteria)
+
+
+def _select_rows(model_kwargs: dict, logits_processor, keep: torch.Tensor) -> None:
+    """Keeps the rows `keep` of the cache, the carried model inputs, and the one per-row state
+    of a processor: the repetition penalty's prompt length to ignore, when given per row."""
+    model_kwargs["cache"].batch_select_indices(keep)
+    for key in ROW_INPUTS:
+        if model_kwargs.get(key) is not None:
+            model_kwargs[key] = model_kwargs[key][keep]
+    for processor in logits_processor:
+        ignored = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(ignored, torch.Tensor):
+            processor.prompt_ignore_length = ignored.to(keep.device)[keep]
+
+
+def _all_rows(values: torch.Tensor, running: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`(n, V)` values of the running rows as `(N, V)`, zeros for the finished ones."""
+    if values.shape[0] == num_rows:
+        return values
+    full = values.new_zeros((num_rows, values.shape[1]))
+    full[running] = values
+    return full
