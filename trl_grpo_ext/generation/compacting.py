@@ -26,6 +26,7 @@ model inputs whose rows can be selected (`ROW_INPUTS`). Otherwise the loop runs 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 
 import torch
@@ -106,8 +107,10 @@ def _has_generate_internals(model) -> bool:
     """The parts of `generate`'s own loop that `compacting_sample` calls (transformers 5.24);
     an older or newer `generate` without them samples as it is."""
     prepare = getattr(model, "prepare_inputs_for_generation", None)
+    output_fields = {field.name for field in dataclasses.fields(GenerateDecoderOnlyOutput)}
     return (
-        hasattr(model, "_prefill")
+        "cache" in output_fields  # before 5.24 (5.19 has `_prefill`): `past_key_values`
+        and hasattr(model, "_prefill")
         and hasattr(model, "_optimize_model_for_decode")
         and prepare is not None
         and "next_sequence_length" in inspect.signature(prepare).parameters
