@@ -110,8 +110,11 @@ def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
     # The default correction weighs each sequence by the product of its 4 token ratios, each 1 up
     # to about 1e-6, so the losses differ by a few 1e-6.
     assert logged(worker, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-5)
+    # Adam divides each gradient by its running scale, so where a weight's gradient is near zero a
+    # rounding difference moves it by a visible share of a step (lr 1e-2: seen 2.7e-5 once in 512
+    # weights after 5 steps); 1e-4 is 1% of one step.
     for name, value in sync_weights.items():
-        torch.testing.assert_close(worker_weights[name], value)
+        torch.testing.assert_close(worker_weights[name], value, rtol=1e-5, atol=1e-4)
     # No optimizer step between generation and training: the importance weights are 1.
     # (Steps whose groups all have zero advantages skip the loss and log no weights.)
     for key in (

@@ -1,6 +1,8 @@
 """Finished rows leave the batch while sampling (`generation.compacting`): the same completions
-and behaviour log-probs as `generate` running every row to the end, for the same seed, under each
-generation setting, and fewer rows in each forward pass once rows have finished."""
+and behaviour log-probs as running every row to the end, for the same seed, under each
+generation setting, and fewer rows in each forward pass once rows have finished; each token drawn
+from the processed distribution (inverse transform sampling, against a slow reference and by
+frequency)."""
 
 import contextlib
 
@@ -10,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from PIL import Image
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
+from trl_grpo_ext.generation.compacting import sample_by_inversion
 from trl_grpo_ext.generation.rollout import completion_mask_from_ids
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
@@ -259,3 +262,47 @@ def test_without_a_cache_every_row_runs_as_in_generate(tiny):
     want = sample(model, prompts, config, compact=False)
     got = sample(model, prompts, config, compact=True)
     assert_same(got, want, ends, 1)  # no prompts' cache to share: `generate` samples it all
+
+
+def inverse_cdf_reference(weights: list[float], uniform: float) -> int:
+    """The first token whose running sum of weights exceeds `uniform` times their total, one
+    addition at a time in Python floats (float64)."""
+    total = sum(weights)
+    running = 0.0
+    for token, weight in enumerate(weights):
+        running += weight
+        if running > uniform * total:
+            return token
+    return max(token for token, weight in enumerate(weights) if weight > 0)
+
+
+def test_sampling_by_inversion_takes_the_token_the_reference_takes():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 50, generator=generator)  # (n, V), not normalised
+    probs[probs < 0.3] = 0  # tokens of probability 0, the last ones of some rows included
+    probs[:8, -10:] = 0
+    probs[0, :3] = 0  # with uniform 0: the first token of probability > 0, not token 0
+    uniform = torch.rand(64, dtype=torch.float64, generator=generator)
+    uniform[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-12], dtype=torch.float64)
+    got = sample_by_inversion(probs, uniform)
+    want = [inverse_cdf_reference(row.tolist(), float(u)) for row, u in zip(probs, uniform)]
+    assert got.tolist() == want
+    assert bool((probs[torch.arange(64), got] > 0).all())  # never a token of probability 0
+
+
+def test_sampled_tokens_follow_the_processed_distribution():
+    """Frequencies of 200,000 draws (one step of `_next_tokens`, as the loop samples) against
+    the softmax of the scores, within 5 standard deviations per token; -inf scores never."""
+    from trl_grpo_ext.generation.compacting import _next_tokens
+
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, -3.0])  # (V,)
+    draws = 200_000
+    torch.manual_seed(0)
+    tokens = _next_tokens(
+        scores.expand(draws, -1), torch.arange(draws), draws, do_sample=True
+    )  # (draws,)
+    probs = torch.softmax(scores.double(), dim=-1)
+    frequencies = torch.bincount(tokens, minlength=len(scores)).double() / draws
+    deviation = (probs * (1 - probs) / draws).sqrt()
+    assert bool(((frequencies - probs).abs() <= 5 * deviation + 1e-12).all()), frequencies
+    assert frequencies[4] == 0

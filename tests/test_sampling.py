@@ -318,8 +318,9 @@ def test_pad_to_multiple_of_pads_without_changing_the_training(tmp_path):
 
 # ------------------------------------------------- TRL's vLLM stop keys in generation_kwargs
 
-# Digits and capitals: about 1 in 7 byte tokens, and in no special token's text.
-STOPS = list("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# Capitals: about 1 in 10 byte tokens, and in no special token's text. Of 16 rows of 10 tokens
+# sampled near uniformly, all stop or none does with probability about 0.1%.
+STOPS = list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
 def sample_rows(tmp_path, seed, **generation_kwargs):

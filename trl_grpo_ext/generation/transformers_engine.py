@@ -44,9 +44,11 @@ def generate_with_transformers(
 
     Rows that have finished leave the batch and the KV cache at the next step
     (`compacting.compacting_sample`), so the last steps cost only the rows still sampling; the
-    tokens are those `generate` samples for the same seed. Where that would not be exact (an
-    unknown logits processor, a cache whose rows cannot be selected, ZeRO-3 or FSDP), every
-    row runs to the end as in `generate`.
+    tokens are the same as with every row running to the end, for the same seed, each drawn
+    from the distribution `generate` draws from (one uniform number per row and step). Where
+    dropping rows would not be exact (an unknown logits processor, a cache whose rows cannot be
+    selected), every row runs to the end; where the loop cannot run (ZeRO-3, FSDP, per-row
+    rotary state, transformers before 5.24), `generate` itself samples.
 
     With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
     policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
@@ -63,7 +65,8 @@ def generate_with_transformers(
             fields of the B prompts (`pixel_values`, ...), as it returned them; the vision tower
             runs on them once, in the pass that encodes the prompts.
         compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave
-            the batch; `False` runs every row until the longest ends, as `generate` does.
+            the batch; `False` runs every row until the longest ends, as `generate` does, with
+            the same tokens.
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
