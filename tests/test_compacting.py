@@ -222,12 +222,17 @@ def test_prompts_with_images(tiny):
     assert_same(got, want, ends, 4)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora", [None, "plain", "CAUSAL_LM"])
 def test_the_engine_drops_finished_rows_by_default(lora):
+    """Also under LoRA (the trainer's policy, sampled with its adapters merged), with PEFT's
+    plain `PeftModel` and with `task_type="CAUSAL_LM"` (TRL's `get_peft_config`), whose
+    `PeftModelForCausalLM` prepares the inputs of each step itself."""
     model, tokenizer = tiny_model_and_tokenizer(seed=0)
     layer = model.model.layers[0]
-    if lora:  # the trainer's policy under LoRA, sampled with its adapters merged
-        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    if lora:
+        task_type = {"task_type": lora} if lora != "plain" else {}
+        config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], **task_type)
+        model = get_peft_model(model, config)
     model.eval()
     prompts = PromptEncoder(tokenizer).encode(PROMPTS)
     config = sampling_config(

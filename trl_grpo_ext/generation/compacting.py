@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
@@ -102,12 +103,28 @@ def can_compact(model) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
-    if not _has_generate_internals(model):
+    # A PEFT model's `generate` runs the transformers model's, with PEFT's input preparation,
+    # which passes the loop's arguments on for adapters on the weights (LoRA and kin); prompt
+    # learning adds virtual tokens to the inputs, which are not rows to select.
+    peft_configs = getattr(model, "peft_config", None)
+    if isinstance(peft_configs, dict) and any(
+        getattr(peft_config, "is_prompt_learning", False) for peft_config in peft_configs.values()
+    ):
+        return False
+    if not _has_generate_internals(_transformers_model(model)):
         return False
     if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
         return False
     # Qwen2-VL-style models keep the prompts' rotary offsets per row on the model itself.
     return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
+
+
+def _transformers_model(model):
+    """The transformers model inside PEFT, DDP or other wrappers (the model itself if none)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    return model
 
 
 def _has_generate_internals(model) -> bool:
