@@ -111,7 +111,7 @@ def can_compact(model) -> bool:
         getattr(peft_config, "is_prompt_learning", False) for peft_config in peft_configs.values()
     ):
         return False
-    if not _has_generate_internals(_transformers_model(model)):
+    if not _has_generate_internals(transformers_model(model)):
         return False
     if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
         return False
@@ -119,7 +119,7 @@ def can_compact(model) -> bool:
     return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
 
 
-def _transformers_model(model):
+def transformers_model(model):
     """The transformers model inside PEFT, DDP or other wrappers (the model itself if none)."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
@@ -232,16 +232,17 @@ def _next_tokens(scores, running, num_rows: int, do_sample: bool) -> torch.Tenso
     inverse transform sampling, from uniform numbers drawn for all `num_rows` rows."""
     if not do_sample:
         return torch.argmax(scores, dim=-1)
-    uniform = torch.rand(num_rows, dtype=torch.float64, device=scores.device)[running]  # (n,)
+    dtype = torch.float32 if scores.device.type == "mps" else torch.float64  # MPS has no float64
+    uniform = torch.rand(num_rows, dtype=dtype, device=scores.device)[running]  # (n,)
     return sample_by_inversion(torch.softmax(scores, dim=-1), uniform)
 
 
 def sample_by_inversion(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """For each row of `probs` `(n, V)` (not necessarily normalised), the first token whose
     cumulative probability exceeds `uniform` `(n,)` times the row's total: token `v` with
-    probability `probs[v] / sum(probs)`. Sums in float64; a token of probability 0 is never
-    taken."""
-    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)  # (n, V)
+    probability `probs[v] / sum(probs)`. Sums in the uniforms' dtype (float64 but on MPS); a
+    token of probability 0 is never taken."""
+    cumulative = probs.cumsum(dim=-1, dtype=uniform.dtype)  # (n, V)
     total = cumulative[:, -1:]  # (n, 1)
     tokens = torch.searchsorted(cumulative, uniform.unsqueeze(1) * total, right=True)  # (n, 1)
     last = (cumulative < total).sum(dim=-1, keepdim=True)  # the last token of probability > 0

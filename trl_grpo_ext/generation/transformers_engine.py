@@ -190,13 +190,8 @@ def _cache_kwarg(model) -> str:
     """`cache` where the model's forward takes it (recent transformers), else `past_key_values`."""
     import inspect
 
-    from transformers import PreTrainedModel
-
-    for module in model.modules():  # through DDP / PEFT wrappers to the transformers model
-        if isinstance(module, PreTrainedModel):
-            parameters = inspect.signature(module.forward).parameters
-            return "cache" if "cache" in parameters else "past_key_values"
-    return "past_key_values"
+    parameters = inspect.signature(compacting.transformers_model(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @contextlib.contextmanager
