@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from PIL import Image
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
-from trl_grpo_ext.generation.compacting import sample_by_inversion
+from trl_grpo_ext.generation.compacting import _next_tokens, sample_by_inversion
 from trl_grpo_ext.generation.rollout import completion_mask_from_ids
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
@@ -266,7 +266,7 @@ def test_without_a_cache_every_row_runs_as_in_generate(tiny):
     )
     want = sample(model, prompts, config, compact=False)
     got = sample(model, prompts, config, compact=True)
-    assert_same(got, want, ends, 1)  # no prompts' cache to share: `generate` samples it all
+    assert_same(got, want, ends, 1)  # no prompts' cache to share: one loop samples it all
 
 
 def inverse_cdf_reference(weights: list[float], uniform: float) -> int:
@@ -298,8 +298,6 @@ def test_sampling_by_inversion_takes_the_token_the_reference_takes():
 def test_sampled_tokens_follow_the_processed_distribution():
     """Frequencies of 200,000 draws (one step of `_next_tokens`, as the loop samples) against
     the softmax of the scores, within 5 standard deviations per token; -inf scores never."""
-    from trl_grpo_ext.generation.compacting import _next_tokens
-
     scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, -3.0])  # (V,)
     draws = 200_000
     torch.manual_seed(0)
