@@ -73,11 +73,17 @@ def test_values_and_gradients_match_full_logits(chunk_tokens, options):
         torch.testing.assert_close(g, r)
 
 
+# 3 tokens: the backward pass recomputes each chunk's logits; None: one chunk holds all 10
+# positions and the backward pass of the log-probs uses the probabilities the forward kept.
+@pytest.mark.parametrize("chunk_tokens", [3, None])
 @pytest.mark.parametrize("which", ["logps", "entropy"])
-def test_gradient_of_one_output_alone(which):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_gradient_of_one_output_alone(which, chunk_tokens, softcap):
     h, w, b, ids = random_inputs(seed=1)
-    logps, entropy = head_token_logprobs(h, w, ids, b, 0.8, chunk_tokens=3, return_entropy=True)
-    ref_logps, ref_entropy = reference(h, w, ids, b, 0.8)
+    logps, entropy = head_token_logprobs(
+        h, w, ids, b, 0.8, chunk_tokens, return_entropy=True, final_logit_softcapping=softcap
+    )
+    ref_logps, ref_entropy = reference(h, w, ids, b, 0.8, softcap)
     got = torch.autograd.grad((logps if which == "logps" else entropy).sum(), [h, w, b])
     want = torch.autograd.grad((ref_logps if which == "logps" else ref_entropy).sum(), [h, w, b])
     for g, r in zip(got, want):
@@ -92,6 +98,35 @@ def test_without_entropy_only_the_logps_and_no_gradient_for_frozen_inputs():
     (grad_h,) = torch.autograd.grad(logps.sum(), [h])
     (ref_grad_h,) = torch.autograd.grad(reference(h, w, ids, b)[0].sum(), [h])
     torch.testing.assert_close(grad_h, ref_grad_h)
+
+
+class HeadMatmuls(TorchDispatchMode):
+    """Counts the matrix products whose output or input has the vocabulary's width."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+            self.count += any(self.vocab in shape for shape in shapes)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk_tokens, recomputed", [(None, 0), (4, 3)])
+def test_one_chunk_is_not_recomputed_in_the_backward_pass(chunk_tokens, recomputed):
+    # The backward pass of the log-probs needs one product per chunk for the hidden states'
+    # gradient, and one more to recompute the chunk's logits unless one chunk held every row.
+    h, w, b, ids = random_inputs(vocab=37, seed=4)
+    w.requires_grad_(False)
+    logps = head_token_logprobs(h, w, ids, b, 0.9, chunk_tokens)
+    with HeadMatmuls(vocab=37) as matmuls:
+        (grad,) = torch.autograd.grad(logps.sum(), [h])
+    chunks = 1 if chunk_tokens is None else 3
+    assert matmuls.count == chunks + recomputed
+    (want,) = torch.autograd.grad(reference(h, w, ids, b, 0.9)[0].sum(), [h])
+    torch.testing.assert_close(grad, want)
 
 
 def test_bf16_softmax_in_float32_and_upcast_matmul():
@@ -382,8 +417,9 @@ def test_token_logprobs_match_log_softmax_gather(chunk_size, temperature):
     torch.testing.assert_close(token_logprobs(logits, token_ids, temperature, chunk_size), logps)
 
 
+@pytest.mark.parametrize("chunk_size", [2, 3])  # 3: one chunk, its probabilities kept
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_token_logprobs_gradient(return_entropy):
+def test_token_logprobs_gradient(return_entropy, chunk_size):
     # The backward pass is hand-written (chunked); check it against finite differences and
     # against autograd through the naive formula.
     generator = torch.Generator().manual_seed(3)
@@ -391,7 +427,7 @@ def test_token_logprobs_gradient(return_entropy):
     token_ids = torch.randint(5, (3, 2), generator=generator)
 
     def fn(x):
-        return token_logprobs(x, token_ids, 0.7, chunk_size=2, return_entropy=return_entropy)
+        return token_logprobs(x, token_ids, 0.7, chunk_size, return_entropy=return_entropy)
 
     assert torch.autograd.gradcheck(fn, (logits,))
 

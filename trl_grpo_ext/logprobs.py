@@ -11,7 +11,10 @@ softmax of the same size, alive until the backward pass. `head_token_logprobs` i
 hidden states and the head's weight and computes the logits of `chunk_tokens` positions at a time,
 keeping only two numbers per position (the log-normaliser and the entropy); the backward pass
 recomputes each chunk's logits. So the extra memory is a few buffers of `chunk_tokens * V` values,
-however many completion tokens there are, for the price of one more head matmul per chunk.
+however many completion tokens there are, for the price of one more head matmul per chunk. When
+one chunk holds every position, the forward pass keeps its probabilities instead (a buffer the
+recomputation would allocate anyway), and the backward pass of the log-probs needs no second
+head matmul.
 
 `token_logprobs` does the same for logits that already exist, a few batch rows at a time; both
 run one autograd function, `_SelectiveLogSoftmax`.
@@ -27,6 +30,8 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+
+from .packed_attention import ATTENTION, attends_by_blocks, block_attention
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -54,7 +59,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     full-size copy of `z / tau`, and for bf16 its float32 upcast) and a softmax of the same size
     alive until backward. Here forward keeps the log-normaliser and the entropy of each position;
     backward recomputes one chunk's `z` at a time and turns it into gradients for the inputs (and
-    W, b). Only chunk-sized buffers of V values exist at once, apart from the gradient of given
+    W, b); with a single chunk, forward keeps its probabilities and backward starts from them. Only chunk-sized buffers of V values exist at once, apart from the gradient of given
     logits, which is as large as they are. The softmax runs in float32 (float64 for float64
     inputs); the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
     `cast_lm_head_to_fp32`).
@@ -86,19 +91,29 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logps = inputs.new_empty(inputs.shape[:-1], dtype=compute_dtype)  # (N,) or (B, T)
         logsumexp = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        # When one chunk holds every row, its probabilities are kept for the backward pass,
+        # which then needs neither the head's matmul nor the exponentials again; its buffers
+        # are no larger than those the recomputation would allocate there.
+        keep_probs = (
+            inputs.shape[0] <= chunk_rows and softcap is None and any(ctx.needs_input_grad[:3])
+        )
+        probs = None
         for start in range(0, inputs.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             z = _chunk_logits(inputs[rows], matmul_weight, bias, *transform)  # (c, [T,] V)
             chunk_lse = z.logsumexp(dim=-1)  # (c, [T])
             logps[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
             logsumexp[rows] = chunk_lse
+            if with_entropy or keep_probs:
+                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, [T,] V)
             if with_entropy:
                 # H = logsumexp - sum_v p_v z_v
-                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, [T,] V)
-                entropy[rows] = chunk_lse - probs.mul_(z).sum(dim=-1)
-                del probs
+                dot = (probs.unsqueeze(-2) @ z.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # (c, [T])
+                entropy[rows] = chunk_lse - dot
+            if not keep_probs:
+                probs = None
             del z  # before the next chunk's logits exist
-        ctx.save_for_backward(inputs, weight, bias, token_ids, logsumexp, entropy)
+        ctx.save_for_backward(inputs, weight, bias, token_ids, logsumexp, entropy, probs)
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
         ctx.with_entropy = with_entropy
@@ -109,7 +124,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        inputs, weight, bias, token_ids, logsumexp, entropy = ctx.saved_tensors
+        inputs, weight, bias, token_ids, logsumexp, entropy, kept_probs = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
         needs_inputs, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -118,6 +133,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         ):
             return (None,) * 10
         temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
+        if kept_probs is not None and grad_entropy is None:
+            return _backward_from_probs(
+                ctx, kept_probs, grad_logps, inputs, weight, bias, token_ids
+            )
         matmul_weight = None if weight is None else weight.to(matmul_dtype)  # (V, H)
         grad_inputs = torch.empty_like(inputs) if needs_inputs else None  # (N, H) or (..., V)
         # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
@@ -166,6 +185,27 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
+
+
+def _backward_from_probs(ctx, probs, grad_logps, inputs, weight, bias, token_ids):
+    """`_SelectiveLogSoftmax.backward` of the log-probs alone, from the probabilities the forward
+    pass kept (one chunk, no softcap): d log p_k / dz_v = 1[v = k] - p_v."""
+    temperature, _, scale, matmul_dtype, compute_dtype = ctx.transform
+    needs_inputs, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    chunk_grad = grad_logps.unsqueeze(-1).to(compute_dtype)  # (N, [T,] 1)
+    grad = probs * -chunk_grad  # not in place: a retained graph may run backward again
+    grad.scatter_add_(-1, token_ids.unsqueeze(-1), chunk_grad)
+    grad.mul_(scale / temperature)  # the gradient wrt the given logits, or the head's output
+    if weight is None:
+        return (grad.to(inputs.dtype) if needs_inputs else None,) + (None,) * 9
+    grad_inputs = grad.to(matmul_dtype) @ weight.to(matmul_dtype) if needs_inputs else None
+    grad_weight = grad_bias = None
+    if needs_weight:
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = (grad.t().to(accumulate) @ inputs.to(accumulate)).to(weight.dtype)
+    if needs_bias:
+        grad_bias = grad.sum(dim=0).to(bias.dtype)
+    return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
 
 
 def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
@@ -558,15 +598,19 @@ def _head_outputs(model, head, **inputs):
     return captured[0]
 
 
-def packing_pays(model, prompt_length: int, completion_length: int, group_size: int) -> bool:
+def packing_pays(
+    model, prompt_length: int, completion_length: int, group_size: int, by_blocks: bool = False
+) -> bool:
     """Whether one packed row of `P + G*T` tokens costs fewer FLOPs than `G` rows of `P + T`.
 
     Per layer, a token costs `2 * (4 d^2 + 3 d m)` in its linear layers (hidden size d, MLP
-    width m) and `4 d L` in attention over a row of L tokens: the packed row's mask hides most
-    keys, but the attention kernel still computes them. So packing pays when the prompt is long
-    next to the completions, and loses when the completions are long. Measured on SmolLM2-135M
-    (float32, CPU, forward and backward, G = 8): P = 57, T = 64: 0.60x the time of the rows
-    (predicted 0.66x); P = 57, T = 256: 1.40x (predicted 1.24x, so not packed).
+    width m) and `4 d K` in attention over K keys. Over the whole packed row (`by_blocks` False)
+    the mask hides most keys, but the attention kernel still computes all `P + G*T` of them, so
+    packing pays when the prompt is long next to the completions, and loses when the completions
+    are long. Measured on SmolLM2-135M (float32, CPU, forward and backward, G = 8): P = 57,
+    T = 64: 0.60x the time of the rows (predicted 0.66x); P = 57, T = 256: 1.40x (predicted
+    1.24x, so not packed). Block by block (`packed_attention`), a completion's queries see
+    `P + T` keys, as in its own row, and packing always saves the prompt's repeats.
     """
     config = _unwrapped_config(model)
     hidden = getattr(config, "hidden_size", None)
@@ -576,9 +620,22 @@ def packing_pays(model, prompt_length: int, completion_length: int, group_size: 
     linear = 2 * (4 * hidden * hidden + 3 * hidden * width)
     packed = prompt_length + group_size * completion_length
     row = prompt_length + completion_length
-    packed_cost = packed * (linear + 4 * hidden * packed)
+    if by_blocks:
+        packed_keys = prompt_length * prompt_length + group_size * completion_length * row
+    else:
+        packed_keys = packed * packed
+    packed_cost = packed * linear + 4 * hidden * packed_keys
     rows_cost = group_size * row * (linear + 4 * hidden * row)
     return packed_cost < rows_cost
+
+
+def _checkpointing(model) -> bool:
+    """Whether the transformers model recomputes its layers in the backward pass."""
+    causal_lm = _causal_lm(model)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(causal_lm), name):
+            return bool(getattr(causal_lm, name))
+    return False
 
 
 def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
@@ -599,9 +656,15 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     prompt_length = total_length - completion_length
     if prompt_length < 2 or rows < 2 or completion_length < 1:
         return None
-    implementation = getattr(_unwrapped_config(model), "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
+    config = _unwrapped_config(model)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager", ATTENTION):
         return None
+    # Block by block where SDPA runs and the forward pass is not recomputed in the backward
+    # (outside this function the layers would attend over the whole packed row again).
+    by_blocks = attends_by_blocks(config) and not (
+        torch.is_grad_enabled() and _checkpointing(model)
+    )
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
     same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
         prompt_mask[1:] == prompt_mask[:-1]
@@ -615,7 +678,7 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     num_prompts = rows // group_size
     # Columns that are padding in every row carry nothing; drop them.
     padded = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())
-    if not packing_pays(model, prompt_length - padded, completion_length, group_size):
+    if not packing_pays(model, prompt_length - padded, completion_length, group_size, by_blocks):
         return None
     first_rows = torch.arange(0, rows, group_size, device=input_ids.device)  # (U,)
     prefix_ids = prompt_ids[first_rows, padded:-1]  # (U, Q)
@@ -646,19 +709,25 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     allowed = (allowed.unsqueeze(0) & key_is_real.unsqueeze(1)) | torch.eye(
         length, dtype=torch.bool, device=input_ids.device
     )  # (U, L, L); a padding query sees itself, so no row is empty
-    if implementation == "sdpa":
-        mask = allowed  # boolean, True where attention is allowed
-    else:  # eager attention adds the mask to the scores
+    if implementation == "eager":  # eager attention adds the mask to the scores
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    outputs = _head_outputs(
-        model,
-        head,
-        input_ids=packed_ids,
-        attention_mask=mask.unsqueeze(1),  # (U, 1, L, L)
-        position_ids=(position_ids + padded).expand(num_prompts, -1),
-        use_cache=False,
-        logits_to_keep=group_size * completion_length,
-    )  # (U, n * T, V), or (U, n * T, H) with `head`
+    else:
+        mask = allowed  # boolean, True where attention is allowed
+    mask = mask.unsqueeze(1)  # (U, 1, L, L)
+    if by_blocks:
+        attention = block_attention(config, mask, prefix_length, group_size)
+    else:
+        attention = contextlib.nullcontext()
+    with attention:
+        outputs = _head_outputs(
+            model,
+            head,
+            input_ids=packed_ids,
+            attention_mask=mask,
+            position_ids=(position_ids + padded).expand(num_prompts, -1),
+            use_cache=False,
+            logits_to_keep=group_size * completion_length,
+        )  # (U, n * T, V), or (U, n * T, H) with `head`
     return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)

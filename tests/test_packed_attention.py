@@ -1,0 +1,158 @@
+"""A packed group row attended block by block (`trl_grpo_ext.packed_attention`): the same
+log-probs and gradients as the whole row under its 4D mask, each block's queries over the prompt
+and its own keys only, and the model's attention implementation handed back as it was."""
+
+import pytest
+import torch
+
+from trl_grpo_ext import logprobs, packed_attention
+from trl_grpo_ext.logprobs import completion_logprobs, packing_pays
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+
+@pytest.fixture
+def tiny():
+    model, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    assert model.config._attn_implementation == "sdpa"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    return model
+
+
+def group_batch(vocab, groups=3, group_size=4, prompt_length=10, completion_length=5):
+    """Groups of completions sharing left-padded prompts (the first prompt shorter)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (groups, prompt_length), generator=generator)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, :3] = 0
+    rows = groups * group_size
+    completion_ids = torch.randint(3, vocab, (rows, completion_length), generator=generator)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = 0
+    input_ids = torch.cat([prompts.repeat_interleave(group_size, 0), completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_mask], 1)
+    return input_ids, attention_mask, completion_ids, completion_mask
+
+
+class AttentionCalls:
+    """Records the query shape of every SDPA kernel call."""
+
+    def __init__(self, monkeypatch):
+        self.shapes = []
+        kernel = torch.nn.functional.scaled_dot_product_attention
+
+        def recording(query, *args, **kwargs):
+            self.shapes.append(tuple(query.shape))
+            return kernel(query, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+
+
+def logps_and_gradients(model, inputs):
+    input_ids, attention_mask, completion_ids, mask = inputs
+    logps, entropy = completion_logprobs(
+        model, input_ids, attention_mask, completion_ids, 0.8, return_entropy=True
+    )
+    upstream = torch.linspace(-1, 1, logps.numel()).view_as(logps)
+    (logps * upstream * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return logps * mask, entropy * mask, grads
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_blocks_give_the_whole_rows_values_and_gradients(tiny, monkeypatch, lora):
+    model = tiny
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=4, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"
+        )
+        model = get_peft_model(tiny, config)
+    inputs = group_batch(tiny.config.vocab_size)
+    calls = AttentionCalls(monkeypatch)
+    got = logps_and_gradients(model, inputs)
+    # Per layer: the 3 prompts (9 of the 10 prompt tokens each), then 3 x 4 blocks of 5 tokens.
+    heads, layers = tiny.config.num_attention_heads, tiny.config.num_hidden_layers
+    head_dim = tiny.config.head_dim
+    assert calls.shapes == [(3, heads, 9, head_dim), (12, heads, 5, head_dim)] * layers
+    assert tiny.config._attn_implementation == "sdpa"
+
+    calls.shapes.clear()
+    monkeypatch.setattr(logprobs, "attends_by_blocks", lambda config: False)
+    want = logps_and_gradients(model, inputs)
+    assert calls.shapes == [(3, heads, 9 + 4 * 5, head_dim)] * layers  # the whole packed rows
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert got[2].keys() == want[2].keys() and got[2]
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_not_by_blocks_where_the_backward_pass_recomputes_the_layers(tiny, monkeypatch):
+    # Gradient checkpointing reruns each layer in the backward pass, after the block has ended:
+    # the whole row's mask is used in both passes.
+    tiny.gradient_checkpointing_enable({"use_reentrant": False})
+    tiny.train()
+    inputs = group_batch(tiny.config.vocab_size)
+    calls = AttentionCalls(monkeypatch)
+    logps_and_gradients(tiny, inputs)
+    assert calls.shapes and all(shape[2] == 29 for shape in calls.shapes)
+    calls.shapes.clear()
+    with torch.no_grad():  # no backward pass: by blocks
+        completion_logprobs(tiny, *inputs[:3])
+    assert {shape[2] for shape in calls.shapes} == {9, 5}
+
+
+def test_other_masks_and_other_models_attend_as_before(tiny):
+    other, _ = tiny_model_and_tokenizer(seed=1, initializer_range=0.2)
+    input_ids, attention_mask = group_batch(tiny.config.vocab_size)[:2]
+    with torch.no_grad():
+        before = [
+            m(input_ids=input_ids, attention_mask=attention_mask).logits for m in (tiny, other)
+        ]
+    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    with packed_attention.block_attention(tiny.config, mask, prefix_length=3, group_size=2):
+        assert tiny.config._attn_implementation == packed_attention.ATTENTION
+        assert other.config._attn_implementation == "sdpa"
+        with torch.no_grad():  # a 2D mask, in the model whose attention is switched
+            during = [
+                m(input_ids=input_ids, attention_mask=attention_mask).logits for m in (tiny, other)
+            ]
+    for b, d in zip(before, during):
+        torch.testing.assert_close(d, b, atol=0, rtol=0)
+
+
+def test_the_implementation_is_handed_back_after_an_error(tiny):
+    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="inside"):
+        with packed_attention.block_attention(tiny.config, mask, prefix_length=3, group_size=2):
+            with packed_attention.block_attention(tiny.config, mask, 3, 2):  # nested
+                raise RuntimeError("inside")
+    assert tiny.config._attn_implementation == "sdpa"
+    assert not packed_attention._LAYOUTS and not packed_attention._SELECTED
+
+
+def test_eager_attention_keeps_the_whole_row(monkeypatch):
+    model, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    model.set_attn_implementation("eager")
+    assert not packed_attention.attends_by_blocks(model.config)
+    with pytest.raises(ValueError, match="not 'eager'"):
+        with packed_attention.block_attention(model.config, torch.ones(1, 1, 9, 9).bool(), 3, 2):
+            pass
+    inputs = group_batch(model.config.vocab_size)
+    assert logprobs._shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None
+
+
+def test_packing_pays_for_long_completions_by_blocks():
+    # SmolLM2-135M's sizes, a 57-token prompt and G = 8: 64-token completions pay either way;
+    # 256-token ones paid only by blocks (the whole row's attention measured 1.40x the rows').
+    class Config:
+        hidden_size, intermediate_size = 576, 1536
+
+    class Model:
+        config = Config()
+
+    assert packing_pays(Model(), 57, 64, 8) and packing_pays(Model(), 57, 64, 8, by_blocks=True)
+    assert not packing_pays(Model(), 57, 256, 8)
+    assert packing_pays(Model(), 57, 256, 8, by_blocks=True)
