@@ -2,6 +2,8 @@
 log-probs and gradients as the whole row under its 4D mask, each block's queries over the prompt
 and its own keys only, and the model's attention implementation handed back as it was."""
 
+import gc
+
 import pytest
 import torch
 
@@ -89,47 +91,57 @@ def test_blocks_give_the_whole_rows_values_and_gradients(tiny, monkeypatch, lora
         torch.testing.assert_close(got[2][name], want[2][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
-def test_not_by_blocks_where_the_backward_pass_recomputes_the_layers(tiny, monkeypatch):
-    # Gradient checkpointing reruns each layer in the backward pass, after the block has ended:
-    # the whole row's mask is used in both passes.
-    tiny.gradient_checkpointing_enable({"use_reentrant": False})
-    tiny.train()
+def test_gradient_checkpointing_recomputes_block_by_block(tiny, monkeypatch):
+    # The backward pass runs each layer again with the mask it kept: by blocks, as the forward.
     inputs = group_batch(tiny.config.vocab_size)
+    tiny.train()
+    want = logps_and_gradients(tiny, inputs)
+    tiny.gradient_checkpointing_enable({"use_reentrant": False})
     calls = AttentionCalls(monkeypatch)
-    logps_and_gradients(tiny, inputs)
-    assert calls.shapes and all(shape[2] == 29 for shape in calls.shapes)
-    calls.shapes.clear()
-    with torch.no_grad():  # no backward pass: by blocks
-        completion_logprobs(tiny, *inputs[:3])
-    assert {shape[2] for shape in calls.shapes} == {9, 5}
+    got = logps_and_gradients(tiny, inputs)
+    layers = tiny.config.num_hidden_layers
+    assert [shape[:3] for shape in calls.shapes] == [(3, 4, 9), (12, 4, 5)] * 2 * layers
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=1e-4, rtol=1e-4, msg=name)
+    assert tiny.config._attn_implementation == "sdpa"
 
 
-def test_other_masks_and_other_models_attend_as_before(tiny):
+def test_the_implementation_is_selected_while_a_registered_mask_lives(tiny):
     other, _ = tiny_model_and_tokenizer(seed=1, initializer_range=0.2)
     input_ids, attention_mask = group_batch(tiny.config.vocab_size)[:2]
+    models = (tiny, other)
     with torch.no_grad():
-        before = [
-            m(input_ids=input_ids, attention_mask=attention_mask).logits for m in (tiny, other)
-        ]
-    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
-    with packed_attention.block_attention(tiny.config, mask, prefix_length=3, group_size=2):
-        assert tiny.config._attn_implementation == packed_attention.ATTENTION
-        assert other.config._attn_implementation == "sdpa"
-        with torch.no_grad():  # a 2D mask, in the model whose attention is switched
-            during = [
-                m(input_ids=input_ids, attention_mask=attention_mask).logits for m in (tiny, other)
-            ]
+        before = [m(input_ids=input_ids, attention_mask=attention_mask).logits for m in models]
+    masks = [torch.ones(1, 1, 9, 9, dtype=torch.bool).tril() for _ in range(2)]
+    for mask in masks:  # two at once (two micro-batches' graphs)
+        packed_attention.register_packed_mask(tiny.config, mask, prefix_length=3, group_size=2)
+    del mask
+    assert tiny.config._attn_implementation == packed_attention.ATTENTION
+    assert other.config._attn_implementation == "sdpa"
+    with torch.no_grad():  # a 2D mask, in the model whose attention is switched: as before
+        during = [m(input_ids=input_ids, attention_mask=attention_mask).logits for m in models]
     for b, d in zip(before, during):
         torch.testing.assert_close(d, b, atol=0, rtol=0)
-
-
-def test_the_implementation_is_handed_back_after_an_error(tiny):
-    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
-    with pytest.raises(RuntimeError, match="inside"):
-        with packed_attention.block_attention(tiny.config, mask, prefix_length=3, group_size=2):
-            with packed_attention.block_attention(tiny.config, mask, 3, 2):  # nested
-                raise RuntimeError("inside")
+    masks.pop()
+    assert tiny.config._attn_implementation == packed_attention.ATTENTION  # one still lives
+    masks.pop()
     assert tiny.config._attn_implementation == "sdpa"
+    assert not packed_attention._LAYOUTS and not packed_attention._SELECTED
+
+
+def test_the_implementation_is_handed_back_after_an_error(tiny, monkeypatch):
+    def failing(*args, **kwargs):
+        raise RuntimeError("inside the forward pass")
+
+    monkeypatch.setattr(tiny.model.layers[-1].mlp, "forward", failing)
+    inputs = group_batch(tiny.config.vocab_size)
+    with pytest.raises(RuntimeError, match="inside") as raised:
+        completion_logprobs(tiny, *inputs[:3])
+    raised = None  # the traceback's frames held the mask
+    gc.collect()
+    assert raised is None and tiny.config._attn_implementation == "sdpa"
     assert not packed_attention._LAYOUTS and not packed_attention._SELECTED
 
 
@@ -138,8 +150,7 @@ def test_eager_attention_keeps_the_whole_row(monkeypatch):
     model.set_attn_implementation("eager")
     assert not packed_attention.attends_by_blocks(model.config)
     with pytest.raises(ValueError, match="not 'eager'"):
-        with packed_attention.block_attention(model.config, torch.ones(1, 1, 9, 9).bool(), 3, 2):
-            pass
+        packed_attention.register_packed_mask(model.config, torch.ones(1, 1, 9, 9).bool(), 3, 2)
     inputs = group_batch(model.config.vocab_size)
     assert logprobs._shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None
 

@@ -31,7 +31,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .packed_attention import ATTENTION, attends_by_blocks, block_attention
+from .packed_attention import ATTENTION, attends_by_blocks, register_packed_mask
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -629,15 +629,6 @@ def packing_pays(
     return packed_cost < rows_cost
 
 
-def _checkpointing(model) -> bool:
-    """Whether the transformers model recomputes its layers in the backward pass."""
-    causal_lm = _causal_lm(model)
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(causal_lm), name):
-            return bool(getattr(causal_lm, name))
-    return False
-
-
 def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
     """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
     once, in one forward pass; None when it does not apply (no two consecutive rows share a
@@ -660,11 +651,7 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager", ATTENTION):
         return None
-    # Block by block where SDPA runs and the forward pass is not recomputed in the backward
-    # (outside this function the layers would attend over the whole packed row again).
-    by_blocks = attends_by_blocks(config) and not (
-        torch.is_grad_enabled() and _checkpointing(model)
-    )
+    by_blocks = attends_by_blocks(config)  # each block over the prompt and itself only
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
     same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
         prompt_mask[1:] == prompt_mask[:-1]
@@ -717,17 +704,14 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
         mask = allowed  # boolean, True where attention is allowed
     mask = mask.unsqueeze(1)  # (U, 1, L, L)
     if by_blocks:
-        attention = block_attention(config, mask, prefix_length, group_size)
-    else:
-        attention = contextlib.nullcontext()
-    with attention:
-        outputs = _head_outputs(
-            model,
-            head,
-            input_ids=packed_ids,
-            attention_mask=mask,
-            position_ids=(position_ids + padded).expand(num_prompts, -1),
-            use_cache=False,
-            logits_to_keep=group_size * completion_length,
-        )  # (U, n * T, V), or (U, n * T, H) with `head`
+        register_packed_mask(config, mask, prefix_length, group_size)
+    outputs = _head_outputs(
+        model,
+        head,
+        input_ids=packed_ids,
+        attention_mask=mask,
+        position_ids=(position_ids + padded).expand(num_prompts, -1),
+        use_cache=False,
+        logits_to_keep=group_size * completion_length,
+    )  # (U, n * T, V), or (U, n * T, H) with `head`
     return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)

@@ -7,8 +7,8 @@ the mask hides: it computes all `(Q + G*T)^2` scores, of which a block's queries
 each. At the benchmark's shape (Q = 55, G = 8, T = 64) that is 5x the work, a sixth of the
 forward and backward passes on SmolLM2.
 
-`block_attention(model, mask, prefix_length, group_size)` runs, while active, every attention
-layer of the model that receives `mask` as two SDPA calls instead: the prompt's queries over the
+After `register_packed_mask(config, mask, prefix_length, group_size)`, every attention layer of
+the model that receives `mask` runs as two SDPA calls instead: the prompt's queries over the
 prompt's keys, and the `U * G` blocks as a batch, each block's `T` queries over the prompt's keys
 (shared, not copied per block until the kernel's input) and its own `T` keys. Both masks are cut
 from `mask`, so the result is the same attention (up to floating-point rounding: the hidden
@@ -16,19 +16,20 @@ scores were exact zeros after the softmax). Layers that receive any other mask (
 another model) run transformers' SDPA unchanged.
 
 It works by registering one attention implementation with transformers (`ATTENTION`) and
-selecting it in the model's config for the block; a model whose attention is not SDPA is left
-as it is (`attends_by_blocks`).
+selecting it in the model's config while the mask lives (through the backward pass where
+gradient checkpointing keeps it for the recomputation); a model whose attention is not SDPA is
+left as it is (`attends_by_blocks`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ATTENTION", "attends_by_blocks", "block_attention"]
+__all__ = ["ATTENTION", "attends_by_blocks", "register_packed_mask"]
 
 ATTENTION = "trl_grpo_ext_packed_sdpa"
 
@@ -42,11 +43,11 @@ class _Layout:
     block_mask: torch.Tensor  # (U * G, 1, T, Q + T) bool
 
 
-# id(mask) -> its layout, while a `block_attention` block runs (the mask is alive, so its id is
-# not reused); dict reads and writes are atomic, so other threads only ever miss.
+# id(mask) -> its layout, while the mask lives (so its id is not reused; the layout holds copies,
+# not views, of it); dict reads and writes are atomic, so other threads only ever miss.
 _LAYOUTS: dict[int, _Layout] = {}
-# id(config) -> [the implementation to restore, blocks active], so that overlapping blocks (two
-# threads training copies that share a config) restore it once, when the last one ends.
+# id(config) -> [the implementation to restore, registered masks alive], so that overlapping
+# registrations (two micro-batches' graphs, two threads) restore it once, when the last one ends.
 _SELECTED: dict[int, list] = {}
 _LOCK = threading.Lock()
 
@@ -62,7 +63,7 @@ def _split_masks(mask: torch.Tensor, prefix_length: int, group_size: int):
     units, _, length, _ = mask.shape
     block_length = (length - prefix_length) // group_size
     square = mask[:, 0]  # (U, L, L)
-    prefix_mask = square[:, :prefix_length, :prefix_length]  # (U, Q, Q)
+    prefix_mask = square[:, :prefix_length, :prefix_length].clone()  # (U, Q, Q), not a view
     queries = square[:, prefix_length:]  # (U, G*T, L)
     to_prefix = queries[:, :, :prefix_length].unflatten(1, (group_size, block_length))
     blocks = queries[:, :, prefix_length:].unflatten(1, (group_size, block_length))
@@ -117,11 +118,15 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
-@contextlib.contextmanager
-def block_attention(config, mask: torch.Tensor, prefix_length: int, group_size: int):
-    """While active, attention layers reading `config` that receive `mask` (a packed row's
+def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_size: int):
+    """Until `mask` is freed, attention layers reading `config` that receive it (a packed row's
     `(U, 1, L, L)` boolean mask: a prompt of `prefix_length` tokens, then `group_size` blocks)
-    attend block by block. `config` is the model's (text) config; see `attends_by_blocks`."""
+    attend block by block. `config` is the model's (text) config; see `attends_by_blocks`.
+
+    Tied to the mask's life rather than to a block of code, so that gradient checkpointing,
+    which runs each layer again in the backward pass with the mask it kept, attends as the
+    forward pass did. The config selects `ATTENTION` while any registered mask of it lives,
+    then what it had before."""
     if not attends_by_blocks(config):
         raise ValueError(
             f"block attention runs in place of SDPA, not {config._attn_implementation!r}"
@@ -134,12 +139,15 @@ def block_attention(config, mask: torch.Tensor, prefix_length: int, group_size: 
         selected = _SELECTED.setdefault(id(config), [config._attn_implementation, 0])
         selected[1] += 1
         config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        _LAYOUTS.pop(key, None)
-        with _LOCK:
-            selected[1] -= 1
-            if selected[1] == 0:
-                config._attn_implementation = selected[0]
-                del _SELECTED[id(config)]
+    weakref.finalize(mask, _release, key, config, selected)
+
+
+def _release(key: int, config, selected: list) -> None:
+    """A registered mask was freed: forget its layout, and hand the config back its own
+    implementation when no other registered mask of it lives."""
+    _LAYOUTS.pop(key, None)
+    with _LOCK:
+        selected[1] -= 1
+        if selected[1] == 0:
+            config._attn_implementation = selected[0]
+            del _SELECTED[id(config)]
