@@ -193,7 +193,8 @@ def compacting_sample(
                 )
                 outputs = model(**model_inputs, return_dict=True)
                 model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
-            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # (n, V)
+            # (n, V); copied only where the step's raw logits are kept, as `generate` keeps them
+            logits = outputs.logits[:, -1].to(copy=output_logits, dtype=torch.float32)
             outputs = None
             step_scores = logits_processor(sequences[running], logits)  # (n, V)
             next_tokens = _next_tokens(step_scores, running, num_rows, do_sample)  # (n,)
