@@ -59,8 +59,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     full-size copy of `z / tau`, and for bf16 its float32 upcast) and a softmax of the same size
     alive until backward. Here forward keeps the log-normaliser and the entropy of each position;
     backward recomputes one chunk's `z` at a time and turns it into gradients for the inputs (and
-    W, b); with a single chunk, forward keeps its probabilities and backward starts from them. Only chunk-sized buffers of V values exist at once, apart from the gradient of given
-    logits, which is as large as they are. The softmax runs in float32 (float64 for float64
+    W, b); with a single chunk, forward keeps its probabilities and backward starts from them.
+    Only chunk-sized buffers of V values exist at once, apart from the gradient of given logits,
+    which is as large as they are. The softmax runs in float32 (float64 for float64
     inputs); the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
     `cast_lm_head_to_fp32`).
     """

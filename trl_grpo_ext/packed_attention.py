@@ -53,15 +53,15 @@ _LOCK = threading.Lock()
 
 
 def attends_by_blocks(config) -> bool:
-    """Whether `block_attention` can run the attention of a model with this (text) config."""
+    """Whether a packed mask registered for this (text) config is attended block by block: the
+    model runs SDPA (`register_packed_mask` refuses other implementations)."""
     return getattr(config, "_attn_implementation", None) in ("sdpa", ATTENTION)
 
 
 def _split_masks(mask: torch.Tensor, prefix_length: int, group_size: int):
     """The prompt's `(U, 1, Q, Q)` and the blocks' `(U * G, 1, T, Q + T)` parts of a packed
     row's `(U, 1, L, L)` boolean mask (L = Q + G * T)."""
-    units, _, length, _ = mask.shape
-    block_length = (length - prefix_length) // group_size
+    block_length = (mask.shape[-1] - prefix_length) // group_size
     square = mask[:, 0]  # (U, L, L)
     prefix_mask = square[:, :prefix_length, :prefix_length].clone()  # (U, Q, Q), not a view
     queries = square[:, prefix_length:]  # (U, G*T, L)
