@@ -134,10 +134,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         ):
             return (None,) * 10
         temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
-        if kept_probs is not None and grad_entropy is None:
-            return _backward_from_probs(
-                ctx, kept_probs, grad_logps, inputs, weight, bias, token_ids
-            )
+        from_kept = kept_probs is not None and grad_entropy is None  # one chunk, no softcap
         matmul_weight = None if weight is None else weight.to(matmul_dtype)  # (V, H)
         grad_inputs = torch.empty_like(inputs) if needs_inputs else None  # (N, H) or (..., V)
         # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
@@ -147,29 +144,35 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         for start in range(0, inputs.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             chunk_inputs = inputs[rows] if weight is None else inputs[rows].to(matmul_dtype)
-            z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
-            if softcap is not None:
-                # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
-                slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
-            log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # in place of z
-            probs = log_probs.exp()
-            grad = log_probs  # the gradient wrt z, built in place of log_probs
-            if grad_entropy is not None:
-                # dH / dz_v = -p_v (log p_v + H)
-                grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
-                grad.mul_(-grad_entropy[rows].unsqueeze(-1))
-            else:
-                grad.zero_()
-            if grad_logps is not None:
-                # d log p_k / dz_v = 1[v = k] - p_v
+            if from_kept:
+                # d log p_k / dz_v = 1[v = k] - p_v, from the forward pass's probabilities (not
+                # in place: a retained graph may run backward again)
                 chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
-                grad.addcmul_(probs, chunk_grad, value=-1)
+                grad, slope = kept_probs * -chunk_grad, None
                 grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
-            del probs
+            else:  # recompute the chunk's logits z
+                z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
+                slope = None  # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
+                if softcap is not None:
+                    slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
+                log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # in place of z
+                probs = log_probs.exp()
+                grad = log_probs  # the gradient wrt z, built in place of log_probs
+                if grad_entropy is not None:
+                    # dH / dz_v = -p_v (log p_v + H)
+                    grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
+                    grad.mul_(-grad_entropy[rows].unsqueeze(-1))
+                else:
+                    grad.zero_()
+                if grad_logps is not None:
+                    # d log p_k / dz_v = 1[v = k] - p_v
+                    chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
+                    grad.addcmul_(probs, chunk_grad, value=-1)
+                    grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
+                del z, log_probs, probs  # grad holds the one buffer
             grad.mul_(scale / temperature)  # back through z = s * logits / tau (and the cap)
-            if softcap is not None:
+            if slope is not None:
                 grad.mul_(slope)
-                del slope
             # grad is now the gradient wrt the given logits, or the head's output
             if grad_inputs is not None:
                 if weight is None:
@@ -182,31 +185,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 grad_weight.addmm_(grad.t().to(accumulate), chunk_inputs.to(accumulate))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)  # (V,)
-            del z, log_probs, grad  # one buffer, freed before the next chunk's logits exist
+            del grad, slope  # freed before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
-
-
-def _backward_from_probs(ctx, probs, grad_logps, inputs, weight, bias, token_ids):
-    """`_SelectiveLogSoftmax.backward` of the log-probs alone, from the probabilities the forward
-    pass kept (one chunk, no softcap): d log p_k / dz_v = 1[v = k] - p_v."""
-    temperature, _, scale, matmul_dtype, compute_dtype = ctx.transform
-    needs_inputs, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-    chunk_grad = grad_logps.unsqueeze(-1).to(compute_dtype)  # (N, [T,] 1)
-    grad = probs * -chunk_grad  # not in place: a retained graph may run backward again
-    grad.scatter_add_(-1, token_ids.unsqueeze(-1), chunk_grad)
-    grad.mul_(scale / temperature)  # the gradient wrt the given logits, or the head's output
-    if weight is None:
-        return (grad.to(inputs.dtype) if needs_inputs else None,) + (None,) * 9
-    grad_inputs = grad.to(matmul_dtype) @ weight.to(matmul_dtype) if needs_inputs else None
-    grad_weight = grad_bias = None
-    if needs_weight:
-        accumulate = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = (grad.t().to(accumulate) @ inputs.to(accumulate)).to(weight.dtype)
-    if needs_bias:
-        grad_bias = grad.sum(dim=0).to(bias.dtype)
-    return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
 
 
 def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
