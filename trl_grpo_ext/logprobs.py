@@ -44,6 +44,7 @@ __all__ = [
     "output_head",
     "packing_pays",
     "token_logprobs",
+    "transformers_model",
 ]
 
 # 1024 tokens x V = 151,936 is 0.6 GB per float32 buffer; the backward pass holds about three.
@@ -360,7 +361,7 @@ def output_head(model) -> torch.nn.Linear | None:
     `modules_to_save`, a quantized layer) or its weight is sharded outside the forward pass
     (FSDP, DeepSpeed ZeRO-3): then only the model's own head computes the right logits.
     """
-    causal_lm = _causal_lm(model)
+    causal_lm = transformers_model(model)
     if causal_lm is None or _is_sharded(model):
         return None
     head = causal_lm.get_output_embeddings()
@@ -372,8 +373,9 @@ def output_head(model) -> torch.nn.Linear | None:
     return head
 
 
-def _causal_lm(model):
-    """The outermost transformers model inside DDP / PEFT wrappers, or None."""
+def transformers_model(model):
+    """The outermost transformers model inside DDP / PEFT wrappers (`model` itself if it is
+    one), or None."""
     from transformers import PreTrainedModel
 
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -394,7 +396,7 @@ def logit_transform(model) -> tuple[float | None, float]:
     `logit_scale`, `output_multiplier`, Falcon-H1's `lm_head_multiplier`, and Granite's
     `logits_scaling` (a divisor; a factor for HyperCLOVA X).
     """
-    causal_lm = _causal_lm(model)
+    causal_lm = transformers_model(model)
     if causal_lm is None:
         return None, 1.0
     config = causal_lm.config.get_text_config()

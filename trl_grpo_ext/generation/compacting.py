@@ -33,7 +33,6 @@ import dataclasses
 import inspect
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
@@ -42,6 +41,8 @@ from transformers.generation import (
 )
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
+
+from ..logprobs import transformers_model
 
 # Processors whose output for a row depends on that row's tokens and scores only.
 ROW_WISE_PROCESSORS = frozenset(
@@ -111,20 +112,13 @@ def can_compact(model) -> bool:
         getattr(peft_config, "is_prompt_learning", False) for peft_config in peft_configs.values()
     ):
         return False
-    if not _has_generate_internals(transformers_model(model)):
+    inner = transformers_model(model)
+    if inner is None or not _has_generate_internals(inner):
         return False
     if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
         return False
     # Qwen2-VL-style models keep the prompts' rotary offsets per row on the model itself.
     return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
-
-
-def transformers_model(model):
-    """The transformers model inside PEFT, DDP or other wrappers (the model itself if none)."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    return model
 
 
 def _has_generate_internals(model) -> bool:

@@ -14,7 +14,7 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from ..logprobs import float32_head, token_logprobs
+from ..logprobs import float32_head, token_logprobs, transformers_model
 from . import compacting
 from .merged_adapters import merged_lora
 from .sampling import isolated_from_checkpoint
@@ -190,7 +190,8 @@ def _cache_kwarg(model) -> str:
     """`cache` where the model's forward takes it (recent transformers), else `past_key_values`."""
     import inspect
 
-    parameters = inspect.signature(compacting.transformers_model(model).forward).parameters
+    inner = transformers_model(model)
+    parameters = inspect.signature((model if inner is None else inner).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
