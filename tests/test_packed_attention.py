@@ -139,20 +139,25 @@ def test_the_implementation_is_handed_back_after_an_error(tiny, monkeypatch):
     inputs = group_batch(tiny.config.vocab_size)
     with pytest.raises(RuntimeError, match="inside") as raised:
         completion_logprobs(tiny, *inputs[:3])
-    raised = None  # the traceback's frames held the mask
+    del raised  # its traceback's frames held the mask
     gc.collect()
-    assert raised is None and tiny.config._attn_implementation == "sdpa"
+    assert tiny.config._attn_implementation == "sdpa"
     assert not packed_attention._LAYOUTS and not packed_attention._SELECTED
 
 
-def test_eager_attention_keeps_the_whole_row(monkeypatch):
-    model, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+def test_eager_attention_keeps_the_whole_row(tiny):
+    model, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)  # tiny's weights
     model.set_attn_implementation("eager")
     assert not packed_attention.attends_by_blocks(model.config)
     with pytest.raises(ValueError, match="not 'eager'"):
         packed_attention.register_packed_mask(model.config, torch.ones(1, 1, 9, 9).bool(), 3, 2)
-    inputs = group_batch(model.config.vocab_size)
-    assert logprobs._shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None
+    input_ids, attention_mask, completion_ids, _ = group_batch(model.config.vocab_size)
+    with torch.no_grad():  # the whole row's additive mask: the hidden states SDPA's blocks give
+        eager = logprobs._shared_prompt_logits(model, input_ids, attention_mask, 5)
+        blocks = logprobs._shared_prompt_logits(tiny, input_ids, attention_mask, 5)
+    assert eager is not None and eager.shape == (12, 5, tiny.config.vocab_size)
+    torch.testing.assert_close(eager, blocks, atol=1e-5, rtol=1e-5)
+    assert model.config._attn_implementation == "eager" and not packed_attention._LAYOUTS
 
 
 def test_packing_pays_for_long_completions_by_blocks():

@@ -80,12 +80,11 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = None if attention_mask is None else _LAYOUTS.get(id(attention_mask))
-    if layout is None or query.shape[2] != key.shape[2]:
+    # the whole packed row in one pass (no cache): queries and keys both span the mask
+    if layout is None or not query.shape[2] == key.shape[2] == attention_mask.shape[-1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    units, _, length, _ = query.shape
+    units = query.shape[0]
     prefix, size, block = layout.prefix_length, layout.group_size, layout.block_length
-    if length != prefix + size * block:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     def blocks(states):  # (U, h, G*T, D) -> (U*G, h, T, D)
         return states[:, :, prefix:].unflatten(2, (size, block)).transpose(1, 2).flatten(0, 1)
