@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A first GPU session in one script: install from wheels carried with the tree, run every GPU
-# preset for 2 steps, then benchmarks/gpu.py (ours vs TRL, bf16, LoRA), each under a timeout,
-# writing every log and result under $OUT as it goes (a run cut short still leaves its figures).
+# preset for 2 steps, then benchmarks/gpu.py (ours vs TRL, bf16, LoRA) and benchmarks/levers.py
+# (each lever on and off), each under a timeout, writing every log and result under $OUT as it
+# goes (a run cut short still leaves its figures).
 #
 #   bash benchmarks/gpu_session.sh prep         # here, with PyPI: wheels into .cache/gpu_wheels
 #   OUT=/some/folder bash benchmarks/gpu_session.sh      # on the GPU machine, repository root
@@ -10,8 +11,9 @@
 # transformers (the GPU machine has those, and no network) into .cache/gpu_wheels, git-ignored:
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
-# On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT and PRESETS override the
-# defaults; SMOKE_ARGS adds arguments to every smoke run. docs/benchmarks.md, "A GPU session".
+# On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT, LEVERS_TIMEOUT and PRESETS
+# override the defaults; SMOKE_ARGS adds arguments to every smoke run. docs/benchmarks.md, "A GPU
+# session".
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.cache/gpu_wheels}
@@ -51,6 +53,7 @@ mkdir -p "$OUT"
 SESSION_SECONDS=${SESSION_SECONDS:-570}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+LEVERS_TIMEOUT=${LEVERS_TIMEOUT:-150}
 PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
 # The GPU machine reaches no network: the presets run on the embedded tiny model and synthetic
 # problems, everything else (bf16, LoRA, gradient checkpointing, batch shapes) as they have it.
@@ -60,6 +63,9 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 echo "step,exit_code,seconds" > "$OUT/summary.csv"
 
+# The lines of a step's log copied into session.log: losses, accuracies, errors, table rows.
+FIGURES="^\{'loss'|held-out accuracy|Error|Total|the merge moves"
+FIGURES+="|\| (median|peak|ours|adapters|every|packed|unpacked|by blocks)"
 log() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$OUT/session.log"; }
 
 # step NAME SECONDS COMMAND...: COMMAND under a timeout (at most what the session has left),
@@ -81,8 +87,7 @@ step() {
     local code=$?
     echo "$name,$code,$(( $(date +%s) - begin ))" >> "$OUT/summary.csv"
     log "end $name: exit code $code$([ $code = 124 ] && echo ' (timed out)')"
-    grep -E "^\{'loss'|held-out accuracy|Error|Total|\| (median|peak)" "$OUT/$name.log" | tail -8 \
-        >> "$OUT/session.log"
+    grep -E "$FIGURES" "$OUT/$name.log" | tail -12 >> "$OUT/session.log"
     return $code
 }
 
@@ -130,7 +135,14 @@ done
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
 
-# 4. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
+# 4. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
+# adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
+# finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
+# blocks in the packed rows, the head's backward pass from kept probabilities.
+step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
+    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 2
+
+# 5. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
 # sharding code paths, bf16 mixed precision, the periodic evaluation and saving.
 preset=recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml
 for config in fsdp deepspeed_zero3; do

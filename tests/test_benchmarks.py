@@ -182,3 +182,20 @@ def test_compact_sampling_draws_the_same_tokens_both_ways(capsys):
     assert report["same"]
     assert report["tokens"]["finished rows leave"] == report["tokens"]["all rows to the end"]
     assert "same tokens: True" in capsys.readouterr().out
+
+
+def test_levers_on_and_off_compute_the_same(capsys):
+    report = load("levers").main(["--model", "tiny", "--repeats", "1", "--max-tokens", "16"])
+    assert all(report["sampling"]["same"].values())  # merged or not, compacting or not
+    assert report["sampling"]["merge_logp_max"] < 1e-5  # float32: the merge's rounding only
+    for name, (logp_error, grad_error) in report["logprobs"]["errors"].items():
+        assert logp_error < 1e-5 and grad_error < 1e-5, name  # against the unpacked rows
+    assert "| ours: packed, by blocks, probabilities kept |" in capsys.readouterr().out
+
+
+def test_levers_spread_a_random_models_lengths_with_an_eos_bias():
+    args = ["--model", "tiny-random", "--repeats", "1", "--max-tokens", "64", "--eos-rate", "0.05"]
+    shortest, mean, longest = load("levers").main(args)["sampling"]["lengths"]
+    # Ending with probability 0.05 per step: 19 tokens on average (at most 64); with the
+    # vocabulary's 1 / 512, 60.
+    assert mean < 40 and shortest < longest

@@ -1,0 +1,321 @@
+"""Each lever of our step on and off, in one process, on one model and device.
+
+    .venv/bin/python benchmarks/levers.py --model smollm2 --threads 2
+    python benchmarks/levers.py --model qwen2.5-0.5b --device cuda --dtype bfloat16   # one GPU
+
+The model gets LoRA r=16 (alpha 32, all linear layers, no dropout) with non-zero B matrices, as
+after some training. One generation batch (`--num-prompts` x `--group-size` completions of at
+most `--max-tokens` tokens, temperature 1.0) is sampled by `generate_with_transformers` in
+three ways, `--repeats` times in rotation, each repeat with its own seed shared by the three:
+
+* ours: adapters merged (`generation.merged_adapters`), finished rows leaving the batch
+  (`generation.compacting`);
+* adapters unmerged;
+* every row to the end.
+
+In bfloat16 or float16 our engine samples unmerged (the merge's rounding is not shown to be
+small enough there); this benchmark merges anyway, to measure both the time and how far the
+sampled tokens' log-probs move (the exactness the merge would need).
+
+Then, on the completions of one group of that batch (one micro-batch of the objective), the
+log-probs' forward and backward passes, the same rotation: a packed row attending block by
+block (ours, `packed_attention`), the same row under one whole-row mask, the completions as
+`--group-size` unpacked rows, and the blocks with the head's logits recomputed in the backward
+pass (two chunks) instead of kept (one chunk). Each against the unpacked rows: the largest
+difference of the log-probs and of the LoRA gradient (relative to its norm).
+
+A random model (`qwen2.5-0.5b`, `tiny-random`: benchmarks/gpu.py's shapes, nothing downloaded)
+rarely samples the end-of-sequence token, so its output head gets a bias that makes the token
+about `--eos-rate` likely per step: completion lengths then spread as a trained model's do,
+which is what compacting is for. Times are medians over the repeats; on CUDA each variant's
+peak memory above the model's is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+from gpu import SHAPES  # noqa: E402
+
+MODELS = {
+    "tiny": _common.tiny_model_dir,
+    "smollm2": _common.smollm2_model_dir,
+    "qwen2.5-0.5b": lambda dtype: _common.random_model_dir(SHAPES["qwen2.5-0.5b"], dtype),
+    "tiny-random": lambda dtype: _common.random_model_dir(SHAPES["tiny"], dtype),
+}
+RANDOM = ("qwen2.5-0.5b", "tiny-random")
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=list(MODELS))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eos-rate", type=float, default=0.01, help="random models only")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("No CUDA device; run with --device cpu.")
+    if args.model in RANDOM:
+        model_dir = MODELS[args.model](args.dtype)
+    else:
+        model_dir = MODELS[args.model]()
+    model, tokenizer = _lora_model(model_dir, args)
+    print(
+        f"| {args.model} ({args.dtype}, {args.device}), LoRA r 16: {args.num_prompts} x "
+        f"{args.group_size} completions of at most {args.max_tokens} tokens, "
+        f"{args.repeats} repeats"
+    )
+    sampling, batch = _sampling(model, tokenizer, args)
+    logprobs = _logprobs(model, batch, args)
+    return {"sampling": sampling, "logprobs": logprobs}
+
+
+def _lora_model(model_dir: str, args):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    if args.model in RANDOM:
+        # Uniform-ish logits over V words: a bias b on the end-of-sequence token makes it
+        # e^b / (V - 1 + e^b) likely per step.
+        head, vocab = model.lm_head, model.config.vocab_size
+        biased = torch.nn.Linear(head.in_features, vocab, bias=True, dtype=dtype)
+        biased.weight = head.weight  # tied to the embeddings as before
+        with torch.no_grad():
+            biased.bias.zero_()
+            biased.bias[tokenizer.eos_token_id] = math.log(
+                args.eos_rate * (vocab - 1) / (1 - args.eos_rate)
+            )
+        model.lm_head = biased
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(model, lora).to(args.device)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                noise = 1e-3 * torch.randn(parameter.shape, generator=generator)
+                parameter.copy_(noise.to(parameter.dtype))
+    return model, tokenizer
+
+
+def _timed(run, device: str):
+    """(seconds, result, peak bytes above the memory allocated before; 0 on CPU)."""
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    result = run()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return seconds, result, peak
+
+
+def _rotate(variants: dict, repeats: int, device: str, seeded_runs: bool):
+    """Every variant once per repeat, in turn; per variant the seconds, results and peaks."""
+    import torch
+
+    from trl_grpo_ext.generation.transformers_engine import seeded
+
+    seconds = {name: [] for name in variants}
+    results = {name: [] for name in variants}
+    peaks = {name: 0 for name in variants}
+    for repeat in range(-1, repeats):  # -1: warm-up, not counted
+        for name, run in variants.items():
+            context = (
+                seeded(repeat, torch.device(device)) if seeded_runs else contextlib.nullcontext()
+            )
+            with context:
+                took, result, peak = _timed(run, device)
+            if repeat >= 0:
+                seconds[name].append(took)
+                results[name].append(result)
+                peaks[name] = max(peaks[name], peak)
+    return seconds, results, peaks
+
+
+def _sampling(model, tokenizer, args):
+    import torch
+
+    from trl_grpo_ext.generation import PromptEncoder, merged_adapters, sampling_config
+    from trl_grpo_ext.generation.rollout import completion_mask_from_ids, eos_token_ids
+    from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
+
+    eos = eos_token_ids(model, tokenizer)
+    dataset = _common.prompt_dataset(args.num_prompts, _common.DEFAULTS["difficulty"], True)
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode([row["prompt"] for row in dataset])
+    prompt_ids, prompt_mask = prompt_ids.to(args.device), prompt_mask.to(args.device)
+    config = sampling_config(
+        max_new_tokens=args.max_tokens,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=args.group_size,
+        temperature=1.0,
+    )
+    # Merged in any dtype here (see the docstring).
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    force_merge = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", dtypes)
+
+    def sample(merge: bool, compact: bool):
+        with force_merge, merged_adapters.merged_lora(model) if merge else contextlib.nullcontext():
+            return generate_with_transformers(
+                model,
+                prompt_ids,
+                prompt_mask,
+                generation_config=config,
+                compact_finished_rows=compact,
+            )  # (prompt ids, prompt mask, completion ids), prompts repeated G times
+
+    variants = {
+        "ours: merged, finished rows leave": lambda: sample(True, True),
+        "adapters unmerged": lambda: sample(False, True),
+        "every row to the end": lambda: sample(True, False),
+    }
+    model.eval()
+    with torch.no_grad():
+        seconds, results, peaks = _rotate(variants, args.repeats, args.device, seeded_runs=True)
+    tokens = {
+        name: [int(completion_mask_from_ids(out[2], eos)[0].sum()) for out in outs]
+        for name, outs in results.items()
+    }
+    reference = results["adapters unmerged"][-1]
+    ids = torch.cat([reference[0], reference[2]], 1)
+    mask, _ = completion_mask_from_ids(reference[2], eos)
+    attention_mask = torch.cat([reference[1], mask.to(reference[1].dtype)], 1)
+    with torch.no_grad():
+        unmerged = _completion_logps(model, ids, attention_mask, reference[2])
+        with force_merge, merged_adapters.merged_lora(model):
+            merged = _completion_logps(model, ids, attention_mask, reference[2])
+    moved = (merged - unmerged).abs()[mask.bool()]
+    print(
+        "\n| sampling | s per batch | s per 1k tokens | ours / this | peak memory MiB | same tokens as ours |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    first = next(iter(variants))
+    ours = sum(seconds[first]) / sum(tokens[first])
+    same = {
+        name: all(_same(a[2], b[2]) for a, b in zip(outs, results[first]))
+        for name, outs in results.items()
+    }
+    for name in variants:
+        per_token = sum(seconds[name]) / sum(tokens[name])
+        print(
+            f"| {name} | {statistics.median(seconds[name]):.2f} | {1000 * per_token:.3f} | "
+            f"{ours / per_token:.2f}x | {peaks[name] / 2**20:.0f} | {same[name]} |"
+        )
+    lengths = mask.sum(1).float()
+    print(
+        f"\ncompletion lengths {int(lengths.min())}-{int(lengths.max())} (mean "
+        f"{float(lengths.mean()):.0f}); the merge moves the sampled tokens' log-probs by at "
+        f"most {float(moved.max()):.2e}, {float(moved.mean()):.2e} on average"
+    )
+    batch = {"ids": ids, "attention_mask": attention_mask, "completion_ids": reference[2]}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "same": same,
+        "lengths": (int(lengths.min()), float(lengths.mean()), int(lengths.max())),
+        "merge_logp_max": float(moved.max()),
+    }, batch
+
+
+def _completion_logps(model, ids, attention_mask, completion_ids, chunk_tokens=None):
+    from trl_grpo_ext.logprobs import completion_logprobs
+
+    return completion_logprobs(
+        model, ids, attention_mask, completion_ids, logprob_chunk_tokens=chunk_tokens
+    )
+
+
+def _logprobs(model, batch, args):
+    import torch
+
+    from trl_grpo_ext import logprobs
+
+    group = slice(0, args.group_size)  # one prompt's completions: one micro-batch
+    ids, attention_mask = batch["ids"][group], batch["attention_mask"][group]
+    completion_ids = batch["completion_ids"][group]
+    completion_length = completion_ids.shape[1]
+    mask = attention_mask[:, -completion_length:].to(torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    positions = args.group_size * completion_length
+
+    def forward_backward(chunk_tokens=None):
+        logps = _completion_logps(model, ids, attention_mask, completion_ids, chunk_tokens)
+        loss = (logps.float() * mask).sum() / mask.sum()
+        grads = torch.autograd.grad(loss, trainable)
+        return logps.detach(), torch.cat([g.flatten().float() for g in grads])
+
+    def patched(**functions):
+        def run(chunk_tokens=None):
+            with contextlib.ExitStack() as stack:
+                for name, function in functions.items():
+                    stack.enter_context(mock.patch.object(logprobs, name, function))
+                return forward_backward(chunk_tokens)
+
+        return run
+
+    whole_row = patched(attends_by_blocks=lambda config: False, packing_pays=lambda *a, **k: True)
+    variants = {
+        "ours: packed, by blocks, probabilities kept": forward_backward,
+        "packed, one whole-row mask": whole_row,
+        "unpacked rows": patched(packing_pays=lambda *a, **k: False),
+        "by blocks, head recomputed (2 chunks)": lambda: forward_backward(positions // 2 + 1),
+    }
+    model.train()
+    seconds, results, peaks = _rotate(variants, args.repeats, args.device, seeded_runs=False)
+    reference_logps, reference_grad = results["unpacked rows"][-1]
+    ours = statistics.median(seconds[next(iter(variants))])
+    print(
+        f"\n| log-probs, forward + backward ({args.group_size} x {completion_length} tokens) "
+        "| s | ours / this | peak memory MiB | max logp difference | gradient difference |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    errors = {}
+    for name in variants:
+        logps, grad = results[name][-1]
+        errors[name] = (
+            float(((logps - reference_logps).abs() * mask).max()),
+            float((grad - reference_grad).norm() / reference_grad.norm()),
+        )
+        median = statistics.median(seconds[name])
+        print(
+            f"| {name} | {median:.3f} | {ours / median:.2f}x | {peaks[name] / 2**20:.0f} | "
+            f"{errors[name][0]:.1e} | {errors[name][1]:.1e} |"
+        )
+    return {"seconds": seconds, "errors": errors}
+
+
+def _same(first, second) -> bool:
+    return first.shape == second.shape and bool((first == second).all())
+
+
+if __name__ == "__main__":
+    main()
