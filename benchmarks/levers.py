@@ -228,7 +228,7 @@ def _sampling(model, tokenizer, args):
         per_token = sum(seconds[name]) / sum(tokens[name])
         print(
             f"| {name} | {statistics.median(seconds[name]):.2f} | {1000 * per_token:.3f} | "
-            f"{ours / per_token:.2f}x | {peaks[name] / 2**20:.0f} | {same[name]} |"
+            f"{ours / per_token:.2f}x | {_mib(peaks[name], args.device)} | {same[name]} |"
         )
     lengths = mask.sum(1).float()
     print(
@@ -307,10 +307,14 @@ def _logprobs(model, batch, args):
         )
         median = statistics.median(seconds[name])
         print(
-            f"| {name} | {median:.3f} | {ours / median:.2f}x | {peaks[name] / 2**20:.0f} | "
+            f"| {name} | {median:.3f} | {ours / median:.2f}x | {_mib(peaks[name], args.device)} | "
             f"{errors[name][0]:.1e} | {errors[name][1]:.1e} |"
         )
     return {"seconds": seconds, "errors": errors}
+
+
+def _mib(peak: int, device: str) -> str:
+    return f"{peak / 2**20:.0f}" if device == "cuda" else "-"  # measured on CUDA only
 
 
 def _same(first, second) -> bool:
