@@ -170,6 +170,26 @@ def prompt_dataset(
     )
 
 
+def sampling_inputs(model, tokenizer, num_prompts: int, group_size: int, max_tokens: int):
+    """`(prompt_ids, prompt_mask, generation_config, eos_token_ids)` for sampling `group_size`
+    completions of at most `max_tokens` tokens (temperature 1.0) for each of the benchmark's
+    first `num_prompts` prompts, as `generate_with_transformers` takes them."""
+    from trl_grpo_ext.generation import PromptEncoder, sampling_config
+    from trl_grpo_ext.generation.rollout import eos_token_ids
+
+    eos = eos_token_ids(model, tokenizer)
+    dataset = prompt_dataset(num_prompts, DEFAULTS["difficulty"], True)
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode([row["prompt"] for row in dataset])
+    config = sampling_config(
+        max_new_tokens=max_tokens,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=group_size,
+        temperature=1.0,
+    )
+    return prompt_ids, prompt_mask, config, eos
+
+
 def _fitted(question: str, prompt_tokens: int, tokenizer) -> list[dict]:
     """A chat prompt of `question` whose system prompt makes it `prompt_tokens` tokens long."""
     from trl_grpo_ext.data import SYSTEM_PROMPT, make_prompt

@@ -45,21 +45,13 @@ def main(argv=None) -> dict:
 def _compare(model_dir: str, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.generation import PromptEncoder, sampling_config
-    from trl_grpo_ext.generation.rollout import completion_mask_from_ids, eos_token_ids
+    from trl_grpo_ext.generation.rollout import completion_mask_from_ids
     from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    eos = eos_token_ids(model, tokenizer)
-    dataset = _common.prompt_dataset(args.num_prompts, _common.DEFAULTS["difficulty"], True)
-    prompts = PromptEncoder(tokenizer).encode([row["prompt"] for row in dataset])
-    config = sampling_config(
-        max_new_tokens=args.max_tokens,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        num_return_sequences=args.group_size,
-        temperature=1.0,
+    *prompts, config, eos = _common.sampling_inputs(
+        model, tokenizer, args.num_prompts, args.group_size, args.max_tokens
     )
 
     warm_up = copy.deepcopy(config)

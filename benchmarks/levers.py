@@ -164,21 +164,14 @@ def _rotate(variants: dict, repeats: int, device: str, seeded_runs: bool):
 def _sampling(model, tokenizer, args):
     import torch
 
-    from trl_grpo_ext.generation import PromptEncoder, merged_adapters, sampling_config
-    from trl_grpo_ext.generation.rollout import completion_mask_from_ids, eos_token_ids
+    from trl_grpo_ext.generation import merged_adapters
+    from trl_grpo_ext.generation.rollout import completion_mask_from_ids
     from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
 
-    eos = eos_token_ids(model, tokenizer)
-    dataset = _common.prompt_dataset(args.num_prompts, _common.DEFAULTS["difficulty"], True)
-    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode([row["prompt"] for row in dataset])
-    prompt_ids, prompt_mask = prompt_ids.to(args.device), prompt_mask.to(args.device)
-    config = sampling_config(
-        max_new_tokens=args.max_tokens,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        num_return_sequences=args.group_size,
-        temperature=1.0,
+    prompt_ids, prompt_mask, config, eos = _common.sampling_inputs(
+        model, tokenizer, args.num_prompts, args.group_size, args.max_tokens
     )
+    prompt_ids, prompt_mask = prompt_ids.to(args.device), prompt_mask.to(args.device)
     # Merged in any dtype here (see the docstring).
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     force_merge = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", dtypes)
