@@ -6,12 +6,13 @@
 The model gets LoRA r=16 (alpha 32, all linear layers, no dropout) with non-zero B matrices, as
 after some training. One generation batch (`--num-prompts` x `--group-size` completions of at
 most `--max-tokens` tokens, temperature 1.0) is sampled by `generate_with_transformers` in
-three ways, `--repeats` times in rotation, each repeat with its own seed shared by the three:
+four ways, `--repeats` times in rotation, each repeat with its own seed shared by the four:
 
 * ours: adapters merged (`generation.merged_adapters`), finished rows leaving the batch
-  (`generation.compacting`);
+  (`generation.compacting`), the KV cache growing in place (`generation.kv_room`);
 * adapters unmerged;
-* every row to the end.
+* every row to the end;
+* the KV cache grown by one concatenation per step (transformers' `DynamicLayer`).
 
 In bfloat16 or float16 our engine samples unmerged (the merge's rounding is not shown to be
 small enough there); this benchmark merges anyway, to measure both the time and how far the
@@ -164,7 +165,7 @@ def _rotate(variants: dict, repeats: int, device: str, seeded_runs: bool):
 def _sampling(model, tokenizer, args):
     import torch
 
-    from trl_grpo_ext.generation import merged_adapters
+    from trl_grpo_ext.generation import kv_room, merged_adapters
     from trl_grpo_ext.generation.rollout import completion_mask_from_ids
     from trl_grpo_ext.generation.transformers_engine import generate_with_transformers
 
@@ -176,8 +177,13 @@ def _sampling(model, tokenizer, args):
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     force_merge = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", dtypes)
 
-    def sample(merge: bool, compact: bool):
-        with force_merge, merged_adapters.merged_lora(model) if merge else contextlib.nullcontext():
+    def sample(merge: bool, compact: bool, grow_in_place: bool = True):
+        concatenate = mock.patch.object(kv_room, "make_room", lambda cache, max_length: None)
+        with (
+            force_merge,
+            merged_adapters.merged_lora(model) if merge else contextlib.nullcontext(),
+            contextlib.nullcontext() if grow_in_place else concatenate,
+        ):
             return generate_with_transformers(
                 model,
                 prompt_ids,
@@ -190,6 +196,7 @@ def _sampling(model, tokenizer, args):
         "ours: merged, finished rows leave": lambda: sample(True, True),
         "adapters unmerged": lambda: sample(False, True),
         "every row to the end": lambda: sample(True, False),
+        "KV cache grown by concatenation": lambda: sample(True, True, grow_in_place=False),
     }
     model.eval()
     with torch.no_grad():

@@ -186,7 +186,9 @@ def test_compact_sampling_draws_the_same_tokens_both_ways(capsys):
 
 def test_levers_on_and_off_compute_the_same(capsys):
     report = load("levers").main(["--model", "tiny", "--repeats", "1", "--max-tokens", "16"])
-    assert all(report["sampling"]["same"].values())  # merged or not, compacting or not
+    same = report["sampling"]["same"]
+    assert "KV cache grown by concatenation" in same
+    assert all(same.values())  # merged or not, compacting or not, the cache grown in place or not
     assert report["sampling"]["merge_logp_max"] < 1e-5  # float32: the merge's rounding only
     for name, (logp_error, grad_error) in report["logprobs"]["errors"].items():
         assert logp_error < 1e-5 and grad_error < 1e-5, name  # against the unpacked rows

@@ -3,10 +3,11 @@
 `generate` decodes every row until the longest ends: a row that has reached its end-of-sequence
 token still runs through the model at each later step, its token replaced by padding. With
 completions of spread lengths much of the last steps' compute goes to rows already done.
-`compacting_sample` is `generate`'s own sampling loop (`GenerationMixin._sample`) with one
-change: after each step, the rows that have finished leave the batch, the KV cache
+`compacting_sample` is `generate`'s own sampling loop (`GenerationMixin._sample`) with two
+changes: after each step, the rows that have finished leave the batch, the KV cache
 (`Cache.batch_select_indices`) and the attention mask, so each forward pass costs the rows
-still running. It is passed to `generate` as `custom_generate`, so the generation config, the
+still running; and the cache's layers grow in place (`kv_room.RoomyLayer`) rather than by one
+concatenation per step. It is passed to `generate` as `custom_generate`, so the generation config, the
 logits processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
 tokens, ...), the stopping criteria and the cache are built by `generate` as for any call.
 
@@ -43,6 +44,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from ..logprobs import transformers_model
+from . import kv_room
 
 # Processors whose output for a row depends on that row's tokens and scores only.
 ROW_WISE_PROCESSORS = frozenset(
@@ -172,6 +174,8 @@ def compacting_sample(
     raw_logits, scores = [], []
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+    # the decoding steps write their keys and values in place, not by concatenation
+    kv_room.make_room(model_kwargs.get("cache"), generation_config.max_length)
     compact = (
         drop_finished
         and has_end
