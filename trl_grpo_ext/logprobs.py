@@ -61,9 +61,12 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     alive until backward. Here forward keeps the log-normaliser and the entropy of each position;
     backward recomputes one chunk's `z` at a time and turns it into gradients for the inputs (and
     W, b); with a single chunk, forward keeps its probabilities and backward starts from them.
-    Only chunk-sized buffers of V values exist at once, apart from the gradient of given logits,
-    which is as large as they are. The softmax runs in float32 (float64 for float64
-    inputs); the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
+    Each chunk's logits become its probabilities in place (`_softmax_in_place`), and the
+    backward pass from kept probabilities needs no buffer of their size
+    (`_gradients_from_probs`): on a CPU a fresh buffer costs a page fault per page. Only
+    chunk-sized buffers of V values exist at once, apart from the gradient of given logits,
+    which is as large as they are. The softmax runs in float32 (float64 for float64 inputs);
+    the head's matmul runs in the inputs' dtype, or in float32 with `upcast` (TRL's
     `cast_lm_head_to_fp32`).
     """
 
@@ -103,18 +106,14 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         for start in range(0, inputs.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             z = _chunk_logits(inputs[rows], matmul_weight, bias, *transform)  # (c, [T,] V)
-            chunk_lse = z.logsumexp(dim=-1)  # (c, [T])
-            logps[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            chosen = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1)  # (c, [T])
+            # z becomes its softmax in place: the logits' one buffer, kept or freed
+            chunk_lse, chunk_entropy = _softmax_in_place(z, with_entropy)
+            logps[rows] = chosen - chunk_lse
             logsumexp[rows] = chunk_lse
-            if with_entropy or keep_probs:
-                probs = (z - chunk_lse.unsqueeze(-1)).exp_()  # (c, [T,] V)
             if with_entropy:
-                # H = logsumexp - sum_v p_v z_v
-                # z's last use: the products in place of it (probs may be kept). A plain sum,
-                # not a matmul, whose float32 dot product of V terms was 7e-3 off on SmolLM2.
-                entropy[rows] = chunk_lse - z.mul_(probs).sum(dim=-1)
-            if not keep_probs:
-                probs = None
+                entropy[rows] = chunk_entropy
+            probs = z if keep_probs else None
             del z  # before the next chunk's logits exist
         ctx.save_for_backward(inputs, weight, bias, token_ids, logsumexp, entropy, probs)
         ctx.transform = transform
@@ -138,7 +137,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         temperature, softcap, scale, matmul_dtype, compute_dtype = ctx.transform
         from_kept = kept_probs is not None and grad_entropy is None  # one chunk, no softcap
         matmul_weight = None if weight is None else weight.to(matmul_dtype)  # (V, H)
-        grad_inputs = torch.empty_like(inputs) if needs_inputs else None  # (N, H) or (..., V)
+        grad_inputs = (  # (N, H) or (..., V)
+            torch.empty_like(inputs, memory_format=torch.contiguous_format)
+            if needs_inputs
+            else None
+        )
         # Accumulated over the chunks in (at least) float32, cast to the parameter's dtype at the end.
         accumulate = None if weight is None else torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if needs_weight else None
@@ -147,34 +150,32 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_rows)
             chunk_inputs = inputs[rows] if weight is None else inputs[rows].to(matmul_dtype)
             if from_kept:
-                # d log p_k / dz_v = 1[v = k] - p_v, from the forward pass's probabilities (not
-                # in place: a retained graph may run backward again)
-                chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
-                grad, slope = kept_probs * -chunk_grad, None
-                grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
-            else:  # recompute the chunk's logits z
-                z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
-                slope = None  # d(c tanh(u / c)) / du = 1 - tanh^2, with tanh = z tau / c
-                if softcap is not None:
-                    slope = (z * (temperature / softcap)).square_().neg_().add_(1)  # (c, V)
-                log_probs = z.sub_(logsumexp[rows].unsqueeze(-1))  # in place of z
-                probs = log_probs.exp()
-                grad = log_probs  # the gradient wrt z, built in place of log_probs
-                if grad_entropy is not None:
-                    # dH / dz_v = -p_v (log p_v + H)
-                    grad.add_(entropy[rows].unsqueeze(-1)).mul_(probs)
-                    grad.mul_(-grad_entropy[rows].unsqueeze(-1))
-                else:
-                    grad.zero_()
-                if grad_logps is not None:
-                    # d log p_k / dz_v = 1[v = k] - p_v
-                    chunk_grad = grad_logps[rows].unsqueeze(-1).to(compute_dtype)  # (c, [T,] 1)
-                    grad.addcmul_(probs, chunk_grad, value=-1)
-                    grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), chunk_grad)
-                del z, log_probs, probs  # grad holds the one buffer
-            grad.mul_(scale / temperature)  # back through z = s * logits / tau (and the cap)
-            if slope is not None:
-                grad.mul_(slope)
+                # d log p_k / dz_v = g (1[v = k] - p_v), and back through z = s * logits / tau:
+                # products with the kept probabilities, which stay as they are (a retained graph
+                # may run backward again), and no gradient of the logits' size
+                chunk_grad = grad_logps[rows].to(compute_dtype) * (scale / temperature)
+                _gradients_from_probs(
+                    kept_probs,
+                    token_ids[rows],
+                    chunk_grad,
+                    chunk_inputs,
+                    matmul_weight,
+                    None if grad_inputs is None else grad_inputs[rows],
+                    grad_weight,
+                    grad_bias,
+                )
+                continue
+            z = _chunk_logits(chunk_inputs, matmul_weight, bias, *ctx.transform)  # (c, [T,] V)
+            grad = _logits_gradient_in_place(
+                z,
+                token_ids[rows],
+                logsumexp[rows],
+                entropy[rows] if grad_entropy is not None else None,
+                grad_logps[rows] if grad_logps is not None else None,
+                grad_entropy[rows] if grad_entropy is not None else None,
+                temperature / softcap if softcap is not None else None,
+            )
+            grad.mul_(scale / temperature)  # back through z = s * logits / tau
             # grad is now the gradient wrt the given logits, or the head's output
             if grad_inputs is not None:
                 if weight is None:
@@ -187,17 +188,139 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 grad_weight.addmm_(grad.t().to(accumulate), chunk_inputs.to(accumulate))  # (V, H)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0)  # (V,)
-            del grad, slope  # freed before the next chunk's logits exist
+            del grad  # freed before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return (grad_inputs, grad_weight, grad_bias) + (None,) * 7
+
+
+# Values per block of rows of the softmax's temporaries: 8 MiB in float32, which the allocator
+# reuses from block to block; a fresh chunk-sized buffer costs page faults for every page.
+BLOCK_VALUES = 2**21
+
+
+def _row_blocks(values: torch.Tensor):
+    """`values` `(..., V)` as `(n, V)` blocks of rows, views of it."""
+    flat = values.view(-1, values.shape[-1])
+    rows = max(1, BLOCK_VALUES // max(1, values.shape[-1]))
+    return [flat[start : start + rows] for start in range(0, flat.shape[0], rows)]
+
+
+def _softmax_in_place(z: torch.Tensor, with_entropy: bool):
+    """Turns the logits `z` `(..., V)` into `softmax(z)` in place; returns the log-normaliser
+    `lse = m + log s` and, `with_entropy`, the entropy `H = log s - sum_v e_v y_v / s`, where
+    `y = z - max(z)`, `e = exp(y)`, `s = sum_v e_v` (else None), both `z.shape[:-1]`.
+
+    Block by block of rows, so the temporaries are blocks (`BLOCK_VALUES`). The entropy's sum is
+    a plain float32 reduction of terms `<= 0` (a matmul's dot product was 7e-3 off on SmolLM2).
+    """
+    lse = z.new_empty(z.shape[:-1])
+    entropy = z.new_empty(z.shape[:-1]) if with_entropy else None
+    start = 0
+    for block in _row_blocks(z):
+        rows = slice(start, start + block.shape[0])
+        start = rows.stop
+        top = block.amax(dim=-1, keepdim=True)  # (n, 1)
+        top = torch.where(
+            top.isfinite(), top, torch.zeros_like(top)
+        )  # a row of -inf stays NaN-free
+        if with_entropy:
+            shifted = block - top  # (n, V), y
+            torch.exp(shifted, out=block)  # e
+            total = block.sum(dim=-1, keepdim=True)  # s
+            weighted = shifted.mul_(block).sum(dim=-1, keepdim=True)  # sum e y
+            entropy.view(-1)[rows] = (total.log() - weighted / total).squeeze(-1)
+        else:
+            block.sub_(top).exp_()
+            total = block.sum(dim=-1, keepdim=True)
+        block.div_(total)
+        lse.view(-1)[rows] = (top + total.log()).squeeze(-1)
+    return lse, entropy
+
+
+def _gradients_from_probs(
+    probs, token_ids, coefficient, inputs, weight, grad_inputs, grad_weight, grad_bias
+) -> None:
+    """Adds the gradients of `sum coefficient * log p[token]` (the logits' gradient is
+    `coefficient * (1[v = token] - p_v)`) to `grad_inputs` (written), `grad_weight` and
+    `grad_bias` (accumulated), from kept probabilities `(..., V)`, without a buffer of their
+    size: with a head, `grad h = c (W[token] - p W)`, `grad W = sum c h (1[token] - p)` and
+    `grad b = sum c (1[token] - p)`; given logits, `grad_inputs` is written block by block."""
+    vocab = probs.shape[-1]
+    probs = probs.view(-1, vocab)  # (N, V)
+    token_ids = token_ids.reshape(-1)  # (N,)
+    coefficient = coefficient.reshape(-1, 1)  # (N, 1)
+    if weight is None:  # the given logits' gradient
+        if grad_inputs is None:
+            return
+        start = 0
+        for block, out in zip(_row_blocks(probs), _row_blocks(grad_inputs)):
+            rows = slice(start, start + block.shape[0])
+            start = rows.stop
+            grad = block * -coefficient[rows]  # (n, V)
+            grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), coefficient[rows])
+            out.copy_(grad)
+        return
+    if grad_inputs is not None:  # (N, H)
+        expected = probs.to(weight.dtype) @ weight  # sum_v p_v W_v
+        chosen = weight[token_ids].to(coefficient.dtype)
+        grad_inputs.copy_((chosen - expected.to(coefficient.dtype)) * coefficient)
+    if grad_weight is not None or grad_bias is not None:
+        accumulate = (grad_weight if grad_weight is not None else grad_bias).dtype
+        coefficient = coefficient.to(accumulate)
+    if grad_weight is not None:  # (V, H), in float32 at least
+        scaled = inputs.reshape(-1, inputs.shape[-1]).to(accumulate) * coefficient  # (N, H)
+        grad_weight.index_add_(0, token_ids, scaled)
+        grad_weight.addmm_(probs.t().to(accumulate), scaled, alpha=-1)
+    if grad_bias is not None:  # (V,)
+        grad_bias.index_add_(0, token_ids, coefficient.squeeze(-1))
+        grad_bias.sub_(coefficient.squeeze(-1) @ probs.to(accumulate))
+
+
+def _logits_gradient_in_place(
+    z, token_ids, logsumexp, entropy, grad_logps, grad_entropy, tanh_per_logit
+) -> torch.Tensor:
+    """The gradient wrt the recomputed logits `z` `(..., V)` of `sum g_logp log p[token] +
+    sum g_H H` (before the `s / tau` of the logits' transform), built in place of `z`, block by
+    block. `tanh_per_logit` (`tau / c` under a softcap, else None) also takes it back through
+    the cap: `d(c tanh(u / c)) / du = 1 - tanh^2`, with `tanh = z tau / c`."""
+    vocab = z.shape[-1]
+    token_ids = token_ids.reshape(-1, 1)
+    logsumexp = logsumexp.reshape(-1, 1)
+    if entropy is not None:
+        entropy, grad_entropy = entropy.reshape(-1, 1), grad_entropy.reshape(-1, 1)
+    if grad_logps is not None:
+        grad_logps = grad_logps.reshape(-1, 1).to(z.dtype)
+    start = 0
+    for block in _row_blocks(z):
+        rows = slice(start, start + block.shape[0])
+        start = rows.stop
+        slope = None
+        if tanh_per_logit is not None:
+            slope = (block * tanh_per_logit).square_().neg_().add_(1)  # (n, V)
+        log_probs = block.sub_(logsumexp[rows])  # in place of z
+        probs = log_probs.exp()  # (n, V)
+        grad = log_probs  # built in place of log_probs
+        if entropy is not None:
+            # dH / dz_v = -p_v (log p_v + H)
+            grad.add_(entropy[rows]).mul_(probs).mul_(-grad_entropy[rows])
+        else:
+            grad.zero_()
+        if grad_logps is not None:
+            # d log p_k / dz_v = 1[v = k] - p_v
+            grad.addcmul_(probs, grad_logps[rows], value=-1)
+            grad.scatter_add_(-1, token_ids[rows], grad_logps[rows])
+        if slope is not None:
+            grad.mul_(slope)
+    return z.view(*z.shape[:-1], vocab)
 
 
 def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
     """`c * tanh(s * (h W^T + b) / c) / tau` of one chunk, in compute_dtype; with `weight` None,
     `inputs` are the logits and this is a copy of them divided by tau."""
     if weight is None:
-        z = inputs.to(compute_dtype, copy=True)  # (c, [T,] V), never the caller's logits
+        # (c, [T,] V), never the caller's logits; contiguous, to be viewed as rows of V
+        z = inputs.to(compute_dtype, copy=True, memory_format=torch.contiguous_format)
     else:
         bias = None if bias is None else bias.to(matmul_dtype)
         z = F.linear(inputs.to(matmul_dtype), weight, bias).to(compute_dtype)  # (c, V)
