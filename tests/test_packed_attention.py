@@ -36,15 +36,16 @@ def group_batch(vocab, groups=3, group_size=4, prompt_length=10, completion_leng
 
 
 class AttentionCalls:
-    """Records the query shape of every SDPA kernel call."""
+    """Records the query shape and the key heads of every SDPA kernel call."""
 
     def __init__(self, monkeypatch):
-        self.shapes = []
+        self.shapes, self.key_heads = [], []
         kernel = torch.nn.functional.scaled_dot_product_attention
 
-        def recording(query, *args, **kwargs):
+        def recording(query, key, *args, **kwargs):
             self.shapes.append(tuple(query.shape))
-            return kernel(query, *args, **kwargs)
+            self.key_heads.append(key.shape[1])
+            return kernel(query, key, *args, **kwargs)
 
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
 
@@ -78,6 +79,8 @@ def test_blocks_give_the_whole_rows_values_and_gradients(tiny, monkeypatch, lora
     heads, layers = tiny.config.num_attention_heads, tiny.config.num_hidden_layers
     head_dim = tiny.config.head_dim
     assert calls.shapes == [(3, heads, 9, head_dim), (12, heads, 5, head_dim)] * layers
+    # on a CPU, grouped-query attention in the kernel: the keys not repeated per head
+    assert calls.key_heads == [tiny.config.num_key_value_heads] * 2 * layers
     assert tiny.config._attn_implementation == "sdpa"
 
     calls.shapes.clear()

@@ -93,7 +93,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
         shared = states[:, :, :prefix].unsqueeze(1).expand(-1, size, -1, -1, -1).flatten(0, 1)
         return torch.cat([shared, blocks(states)], dim=2)
 
-    prompt_out, _ = sdpa_attention_forward(
+    prompt_out = _sdpa(
         module,
         query[:, :, :prefix],
         key[:, :, :prefix],
@@ -101,11 +101,35 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
         layout.prefix_mask,
         **kwargs,
     )  # (U, Q, H, D)
-    blocks_out, _ = sdpa_attention_forward(
+    blocks_out = _sdpa(
         module, blocks(query), with_prefix(key), with_prefix(value), layout.block_mask, **kwargs
     )  # (U*G, T, H, D)
     blocks_out = blocks_out.unflatten(0, (units, size)).flatten(1, 2)  # (U, G*T, H, D)
     return torch.cat([prompt_out, blocks_out], dim=1), None
+
+
+def _sdpa(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA under a boolean mask, `(N, L, H, D)`. On a CPU, grouped-query
+    attention runs in the kernel (`enable_gqa`) rather than on keys and values repeated for each
+    head of their group, as transformers does under a mask: the same values, and a third of the
+    keys and values kept for the backward pass with SmolLM2's 3 heads per group. (CUDA's kernels
+    under a mask fall back to the math kernel with `enable_gqa`.)"""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = (
+        kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("output_attentions")
+    )
+    if groups == 1 or query.device.type != "cpu" or special:
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )  # (N, H, L, D)
+    return out.transpose(1, 2).contiguous()
 
 
 def _register() -> None:
