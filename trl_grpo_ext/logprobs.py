@@ -201,12 +201,14 @@ BLOCK_VALUES = 2**21
 ACCELERATOR_BLOCK_VALUES = 2**24
 
 
-def _row_blocks(values: torch.Tensor):
-    """`values` `(..., V)` as `(n, V)` blocks of rows, views of it."""
+def _row_blocks(values: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """`values` `(..., V)` as blocks of its rows: each block's rows of the flattened `(N, V)`
+    values, and the block `(n, V)`, a view of them."""
     flat = values.view(-1, values.shape[-1])
     block = BLOCK_VALUES if values.device.type == "cpu" else ACCELERATOR_BLOCK_VALUES
-    rows = max(1, block // max(1, values.shape[-1]))
-    return [flat[start : start + rows] for start in range(0, flat.shape[0], rows)]
+    size = max(1, block // max(1, values.shape[-1]))
+    starts = range(0, flat.shape[0], size)
+    return [(slice(start, start + size), flat[start : start + size]) for start in starts]
 
 
 def _softmax_in_place(z: torch.Tensor, with_entropy: bool):
@@ -219,14 +221,10 @@ def _softmax_in_place(z: torch.Tensor, with_entropy: bool):
     """
     lse = z.new_empty(z.shape[:-1])
     entropy = z.new_empty(z.shape[:-1]) if with_entropy else None
-    start = 0
-    for block in _row_blocks(z):
-        rows = slice(start, start + block.shape[0])
-        start = rows.stop
+    for rows, block in _row_blocks(z):
         top = block.amax(dim=-1, keepdim=True)  # (n, 1)
-        top = torch.where(
-            top.isfinite(), top, torch.zeros_like(top)
-        )  # a row of -inf stays NaN-free
+        # a row of -inf logits: no NaN from -inf - -inf
+        top = torch.where(top.isfinite(), top, torch.zeros_like(top))
         if with_entropy:
             shifted = block - top  # (n, V), y
             torch.exp(shifted, out=block)  # e
@@ -256,10 +254,7 @@ def _gradients_from_probs(
     if weight is None:  # the given logits' gradient
         if grad_inputs is None:
             return
-        start = 0
-        for block, out in zip(_row_blocks(probs), _row_blocks(grad_inputs)):
-            rows = slice(start, start + block.shape[0])
-            start = rows.stop
+        for (rows, block), (_, out) in zip(_row_blocks(probs), _row_blocks(grad_inputs)):
             grad = block * -coefficient[rows]  # (n, V)
             grad.scatter_add_(-1, token_ids[rows].unsqueeze(-1), coefficient[rows])
             out.copy_(grad)
@@ -287,17 +282,13 @@ def _logits_gradient_in_place(
     sum g_H H` (before the `s / tau` of the logits' transform), built in place of `z`, block by
     block. `tanh_per_logit` (`tau / c` under a softcap, else None) also takes it back through
     the cap: `d(c tanh(u / c)) / du = 1 - tanh^2`, with `tanh = z tau / c`."""
-    vocab = z.shape[-1]
     token_ids = token_ids.reshape(-1, 1)
     logsumexp = logsumexp.reshape(-1, 1)
     if entropy is not None:
         entropy, grad_entropy = entropy.reshape(-1, 1), grad_entropy.reshape(-1, 1)
     if grad_logps is not None:
         grad_logps = grad_logps.reshape(-1, 1).to(z.dtype)
-    start = 0
-    for block in _row_blocks(z):
-        rows = slice(start, start + block.shape[0])
-        start = rows.stop
+    for rows, block in _row_blocks(z):
         slope = None
         if tanh_per_logit is not None:
             slope = (block * tanh_per_logit).square_().neg_().add_(1)  # (n, V)
@@ -315,7 +306,7 @@ def _logits_gradient_in_place(
             grad.scatter_add_(-1, token_ids[rows], grad_logps[rows])
         if slope is not None:
             grad.mul_(slope)
-    return z.view(*z.shape[:-1], vocab)
+    return z
 
 
 def _chunk_logits(inputs, weight, bias, temperature, softcap, scale, matmul_dtype, compute_dtype):
