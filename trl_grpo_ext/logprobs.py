@@ -732,12 +732,44 @@ def packing_pays(
     return packed_cost < rows_cost
 
 
+# The configuration field holding the window of each kind of windowed attention layer.
+_WINDOWS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+
+
+def _layers_attend_as_masked(config, row_length: int) -> bool:
+    """Whether every layer of a (text) `config` computes under a packed row's 4D mask what it
+    computes in each completion's own row of `row_length` tokens.
+
+    transformers hands a 4D mask to every layer as it is. Full attention then attends as the
+    mask says, and layers that mix no tokens (MLP, MoE) are unaffected; a sliding-window or
+    chunked layer attends past its window where the row is longer than it, and a recurrent
+    layer (linear attention, state-space, convolution) carries its state from one completion's
+    block into the next. Without `layer_types`, one window for every layer where the config
+    has one (Mistral's `sliding_window`, for instance).
+    """
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        kinds = [
+            next((kind for kind, field in _WINDOWS.items() if getattr(config, field, None)), None)
+            or "full_attention"
+        ]
+    for kind in set(kinds):
+        if kind in ("full_attention", "mlp", "moe"):
+            continue
+        window = getattr(config, _WINDOWS[kind], None) if kind in _WINDOWS else None
+        if window is None or window < row_length:
+            return False
+    return True
+
+
 def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: int, head=None):
     """Logits `(B, T, V)` predicting the `T` completion tokens, with each distinct prompt run
     once, in one forward pass; None when it does not apply (no two consecutive rows share a
     prompt, groups of unequal size, or an attention implementation that ignores custom masks)
-    or does not pay (`packing_pays`). With `head` (the model's output head), the hidden states
-    `(B, T, H)` that enter it instead of the logits.
+    or does not pay (`packing_pays`), or where a layer would not attend as the mask says
+    (`_layers_attend_as_masked`: recurrent layers, windows shorter than the rows). With `head`
+    (the model's output head), the hidden states `(B, T, H)` that enter it instead of the
+    logits.
 
     Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
     but its last token, then for every completion a block of `T` tokens (the last prompt token
@@ -753,6 +785,8 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     config = _unwrapped_config(model)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager", ATTENTION):
+        return None
+    if not _layers_attend_as_masked(config, total_length):
         return None
     by_blocks = attends_by_blocks(config)  # each block over the prompt and itself only
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]

@@ -34,7 +34,7 @@ import dataclasses
 import inspect
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
     StoppingCriteriaList,
@@ -137,10 +137,14 @@ def _has_generate_internals(model) -> bool:
     )
 
 
-def _dynamic(cache) -> bool:
-    """A `DynamicCache` of full or sliding-window attention layers: rows can be selected."""
+def rows_selectable(cache) -> bool:
+    """Whether the rows of `cache` can be selected and repeated exactly: a `DynamicCache` of
+    full or sliding-window attention layers only. Subclasses of those layers are not taken on
+    trust: a hybrid model's layer (attention and a recurrent state) is a `DynamicLayer` whose
+    row selection leaves its recurrent state as it was."""
     return isinstance(cache, DynamicCache) and all(
-        isinstance(layer, DynamicLayer) for layer in cache.layers
+        type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, kv_room.RoomyLayer)
+        for layer in cache.layers
     )
 
 
@@ -179,7 +183,7 @@ def compacting_sample(
     compact = (
         drop_finished
         and has_end
-        and _dynamic(model_kwargs.get("cache"))
+        and rows_selectable(model_kwargs.get("cache"))
         and _row_wise(logits_processor, stopping_criteria, model_kwargs)
     )
     next_sequence_length = 1 if model_kwargs.get("use_cache") else None

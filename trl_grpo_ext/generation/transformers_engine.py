@@ -39,7 +39,8 @@ def generate_with_transformers(
 
     Each prompt is run through the model once (`_generate_groups`): its first token is sampled
     G times from that one pass, and the rest of the group continues from the prompt's cache
-    repeated G times. The number of forward passes is that of one `generate` call that expands
+    repeated G times (where its rows repeat exactly: not a recurrent layer's state, as in
+    Qwen3.5's or Falcon-H1's hybrids, whose prompts are encoded G times). The number of forward passes is that of one `generate` call that expands
     each prompt into its group first, which encodes every prompt G times.
 
     Rows that have finished leave the batch and the KV cache at the next step
@@ -132,6 +133,8 @@ def _generate_groups(
        top-k/p, ... applied) and the prompts' cache: one forward pass of B rows.
     2. Sample G first tokens per prompt from those scores (as `generate` samples).
     3. Repeat the cache G times and let `generate` continue the B*G rows for T - 1 tokens.
+    None (each prompt encoded G times instead) where the cache's rows cannot be repeated
+    exactly (`compacting.rows_selectable`): a hybrid model's recurrent layers.
     A row whose first token ends it continues in step 3 like the others; the completion mask
     ends it at that token.
     """
@@ -146,8 +149,8 @@ def _generate_groups(
     first_config.return_dict_in_generate = True
     first = model.generate(**encoded, generation_config=first_config)
     cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave") or first.scores is None:
-        return None
+    if cache is None or not compacting.rows_selectable(cache) or first.scores is None:
+        return None  # e.g. a recurrent layer's state, which does not repeat
     # Step 1 used the prompts only; min_new_tokens (no eos before it) still holds for step 2.
     scores = first.scores[0].float()  # (B, V), processed
     if generation_config.min_new_tokens:

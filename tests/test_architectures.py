@@ -1,0 +1,137 @@
+"""The shortcuts of sampling and of the log-probs hold on the layer kinds users train: full
+attention (Llama), sliding-window attention over every layer (Mistral) or some (Gemma 3, OLMo 3),
+and hybrids of attention and recurrent layers (Qwen3.5's linear attention, Falcon-H1's
+state-space layers beside attention). Each is checked against a plain forward pass of whole
+rows, with rows longer than the windows: a group's rows packed into one sequence only where
+every layer attends as the packed mask says, a prompt's cache repeated for its group and
+finished rows leaving the batch only where the cache's rows can be selected."""
+
+import pytest
+import torch
+from test_logprobs import assert_matches_full_logits, batch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from trl_grpo_ext.generation import sampling_config
+from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
+from trl_grpo_ext.logprobs import _shared_prompt_logits, token_logprobs
+
+VOCAB, WINDOW = 64, 6
+PAD, ENDS = 0, [1, 3, 4, 5, 6]  # a few end tokens, so that rows finish at different steps
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+# name: (model_type, config fields, whether a group's rows of 14 tokens are packed)
+ARCHITECTURES = {
+    "llama": ("llama", {}, True),
+    "mistral, rows inside the window": ("mistral", {"sliding_window": 32}, True),
+    "mistral, rows past the window": ("mistral", {"sliding_window": WINDOW}, False),
+    "gemma3, sliding and full layers": (
+        "gemma3_text",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        False,
+    ),
+    "olmo3, sliding and full layers": (
+        "olmo3",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        False,
+    ),
+    "qwen3.5, linear attention and full layers": (
+        "qwen3_5_text",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+        },
+        False,
+    ),
+    "falcon-h1, state-space beside attention": (
+        "falcon_h1",
+        {
+            "mamba_d_ssm": 32,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+        },
+        False,
+    ),
+}
+
+
+def build(name):
+    model_type, fields, packed = ARCHITECTURES[name]
+    try:
+        config = AutoConfig.for_model(model_type, **SMALL, **fields)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval(), packed
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_logprobs_and_gradients_match_whole_rows(name):
+    model, packed = build(name)
+    inputs = batch(VOCAB, 3, 4)  # three prompts of 10 tokens, four completions of 4 each
+    assert inputs[0].shape[1] > WINDOW
+    assert (_shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None) == packed
+    model.train()  # as the trainer runs the policy
+    assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
+
+
+def completion_mask(completion_ids):
+    """1 up to and including each row's first end token."""
+    ends = torch.isin(completion_ids, torch.tensor(ENDS)).long()
+    return (ends.cumsum(1) - ends == 0).long()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_sampled_logprobs_are_those_of_a_forward_pass(name):
+    model, _ = build(name)
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :2], prompt_mask[0, :2] = PAD, 0  # left padding
+    config = sampling_config(
+        max_new_tokens=12,  # rows of 18 tokens, three times the window
+        eos_token_id=ENDS,
+        pad_token_id=PAD,
+        num_return_sequences=4,
+        temperature=0.9,
+    )
+    sampled = {}
+    for compact in (True, False):
+        with seeded(5):
+            sampled[compact] = generate_with_transformers(
+                model,
+                prompt_ids,
+                prompt_mask,
+                generation_config=config,
+                return_logprobs=True,
+                compact_finished_rows=compact,
+            )
+    ids, mask, completion_ids, logps = sampled[True]
+    assert torch.equal(completion_ids, sampled[False][2])
+    kept = completion_mask(completion_ids)
+    assert 0 < kept.sum() < kept.numel()  # some rows ended early
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([ids, completion_ids], 1),
+            attention_mask=torch.cat([mask, kept], 1),
+        ).logits[:, ids.shape[1] - 1 : -1]
+    want = token_logprobs(logits, completion_ids, 0.9)
+    torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sampled[False][3] * kept, want * kept, atol=1e-5, rtol=1e-5)
