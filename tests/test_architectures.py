@@ -4,7 +4,8 @@ and hybrids of attention and recurrent layers (Qwen3.5's linear attention, Falco
 state-space layers beside attention). Each is checked against a plain forward pass of whole
 rows, with rows longer than the windows: a group's rows packed into one sequence only where
 every layer attends as the packed mask says, a prompt's cache repeated for its group and
-finished rows leaving the batch only where the cache's rows can be selected. A training step then
+finished rows leaving the batch only where the cache's rows can be selected, for the caches
+`cache_implementation` (TRL's option) picks too. A training step then
 runs on each, and moves the adapter only."""
 
 import pytest
@@ -102,8 +103,16 @@ def completion_mask(completion_ids):
     return (ends.cumsum(1) - ends == 0).long()
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_sampled_logprobs_are_those_of_a_forward_pass(name):
+@pytest.mark.parametrize(
+    "name, cache_implementation",
+    [(name, None) for name in ARCHITECTURES]
+    + [
+        (name, cache)
+        for name in ("llama", "gemma3, sliding and full layers")
+        for cache in ("dynamic", "static")
+    ],
+)
+def test_sampled_logprobs_are_those_of_a_forward_pass(name, cache_implementation):
     model, _ = build(name)
     generator = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
@@ -115,6 +124,7 @@ def test_sampled_logprobs_are_those_of_a_forward_pass(name):
         pad_token_id=PAD,
         num_return_sequences=4,
         temperature=0.9,
+        cache_implementation=cache_implementation,  # TRL's option, for generate's cache
     )
     sampled = {}
     for compact in (True, False):

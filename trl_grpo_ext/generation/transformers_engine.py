@@ -167,6 +167,7 @@ def _generate_groups(
     rest_config = copy.deepcopy(generation_config)
     rest_config.num_return_sequences = 1
     rest_config.max_new_tokens = remaining
+    rest_config.cache_implementation = None  # the cache is given (`generate` refuses both)
     if generation_config.min_new_tokens:
         rest_config.min_new_tokens = max(generation_config.min_new_tokens - 1, 0)
     input_ids = torch.cat([prompt_ids, first_tokens], dim=1)  # (B*G, P + 1)
