@@ -5,8 +5,8 @@ state-space layers beside attention). Each is checked against a plain forward pa
 rows, with rows longer than the windows: a group's rows packed into one sequence only where
 every layer attends as the packed mask says, a prompt's cache repeated for its group and
 finished rows leaving the batch only where the cache's rows can be selected, for the caches
-`cache_implementation` (TRL's option) picks too. A training step then
-runs on each, and moves the adapter only."""
+`cache_implementation` (TRL's option) picks too. A training step then runs on each, and moves
+the adapter only."""
 
 import pytest
 import torch
