@@ -270,8 +270,13 @@ def test_dynamic_sampling_terminates_when_no_group_has_signal(tmp_path):
 
 
 def test_async_options_are_validated(tmp_path):
-    with pytest.raises(ValueError, match="one generation batch per optimizer step"):
+    with pytest.raises(ValueError, match="one generation batch per optimizer step") as error:
         make_trainer(tmp_path, max_staleness=1, num_iterations=2)
+    assert "num_iterations=1" in str(error.value)
+    assert "steps_per_generation" not in str(error.value)  # only what to change
+    with pytest.raises(ValueError, match=r"steps_per_generation.*\(1; got 2\)\.$") as error:
+        make_trainer(tmp_path, max_staleness=1, steps_per_generation=2)
+    assert "num_iterations" not in str(error.value)
     with pytest.raises(ValueError, match="off_policy_correction"):
         make_trainer(tmp_path, off_policy_correction="ppo")
 

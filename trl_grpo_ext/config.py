@@ -743,12 +743,18 @@ class GroupRelativeConfig(TrainingArguments):
         if self.max_staleness is not None:
             if self.max_staleness < 0:
                 fail(f"max_staleness={self.max_staleness} must be >= 0 (or None for synchronous).")
-            if self.num_iterations != 1 or self.steps_per_generation != accumulation:
+            changes = []
+            if self.num_iterations != 1:
+                changes.append(f"set num_iterations=1 (got {self.num_iterations})")
+            if self.steps_per_generation != accumulation:
+                changes.append(
+                    f"leave steps_per_generation at gradient_accumulation_steps ({accumulation}; "
+                    f"got {self.steps_per_generation})"
+                )
+            if changes:
                 fail(
                     "Asynchronous rollouts (max_staleness) need one generation batch per optimizer "
-                    f"step: set num_iterations=1 (got {self.num_iterations}) and leave "
-                    f"steps_per_generation at gradient_accumulation_steps (got "
-                    f"{self.steps_per_generation} vs {accumulation})."
+                    f"step: {' and '.join(changes)}."
                 )
         if self.reward_weights is not None and not all(
             isinstance(weight, (int, float)) for weight in self.reward_weights
