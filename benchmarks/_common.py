@@ -93,6 +93,8 @@ def smollm2_model_dir() -> str:
 def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
     """A randomly initialised Qwen2 model of `shape` (hidden, layers, heads, kv_heads,
     intermediate, vocab) with a byte-level tokenizer padded to its vocabulary, saved once.
+    With `full_every` n in `shape`, a Qwen3.5 hybrid instead: every n-th layer full attention,
+    the others linear attention (Gated DeltaNet), as Qwen3.5's 3 to 1.
 
     Random weights rarely sample the end-of-sequence token, so every completion runs to
     `max_completion_length`: the work per step is fixed.
@@ -103,7 +105,8 @@ def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
 
     from trl_grpo_ext.tiny import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
-    name = "qwen2-random-" + "-".join(f"{key}{value}" for key, value in sorted(shape.items()))
+    family = "qwen3.5" if "full_every" in shape else "qwen2"
+    name = f"{family}-random-" + "-".join(f"{key}{value}" for key, value in sorted(shape.items()))
     folder = CACHE / f"{name}-{dtype}"
     if (folder / "config.json").exists():
         return str(folder)
@@ -119,7 +122,7 @@ def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
         tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, padding_side="left"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen2Config(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=shape["hidden"],
         num_hidden_layers=shape["layers"],
@@ -132,9 +135,29 @@ def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+    if "full_every" in shape:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        head_dim = shape["hidden"] // shape["heads"]
+        config = AutoConfig.for_model(
+            "qwen3_5_text",
+            **fields,
+            head_dim=head_dim,
+            layer_types=[
+                "full_attention" if (i + 1) % shape["full_every"] == 0 else "linear_attention"
+                for i in range(shape["layers"])
+            ],
+            linear_num_key_heads=shape["kv_heads"],
+            linear_num_value_heads=shape["heads"],
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+        )
+        build = AutoModelForCausalLM.from_config
+    else:
+        config, build = Qwen2Config(**fields), Qwen2ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+        model = build(config).to(getattr(torch, dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)

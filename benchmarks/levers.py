@@ -25,7 +25,8 @@ block (ours, `packed_attention`), the same row under one whole-row mask, the com
 pass (two chunks) instead of kept (one chunk). Each against the unpacked rows: the largest
 difference of the log-probs and of the LoRA gradient (relative to its norm).
 
-A random model (`qwen2.5-0.5b`, `tiny-random`: benchmarks/gpu.py's shapes, nothing downloaded)
+A random model (`qwen2.5-0.5b`, `tiny-random`: benchmarks/gpu.py's shapes; `hybrid-random`:
+Qwen3.5's layer kinds at a CPU's size; nothing downloaded)
 rarely samples the end-of-sequence token, so its output head gets a bias that makes the token
 about `--eos-rate` likely per step: completion lengths then spread as a trained model's do,
 which is what compacting is for. Times are medians over the repeats; on CUDA each variant's
@@ -53,8 +54,19 @@ MODELS = {
     "smollm2": _common.smollm2_model_dir,
     "qwen2.5-0.5b": lambda dtype: _common.random_model_dir(SHAPES["qwen2.5-0.5b"], dtype),
     "tiny-random": lambda dtype: _common.random_model_dir(SHAPES["tiny"], dtype),
+    "hybrid-random": lambda dtype: _common.random_model_dir(HYBRID, dtype),
 }
-RANDOM = ("qwen2.5-0.5b", "tiny-random")
+RANDOM = ("qwen2.5-0.5b", "tiny-random", "hybrid-random")
+# A Qwen3.5-style hybrid small enough for a CPU: three linear-attention layers to each full one.
+HYBRID = {
+    "hidden": 256,
+    "layers": 8,
+    "heads": 4,
+    "kv_heads": 2,
+    "intermediate": 768,
+    "vocab": 4096,
+    "full_every": 4,
+}
 
 
 def main(argv=None) -> dict:

@@ -4,8 +4,8 @@ and hybrids of attention and recurrent layers (Qwen3.5's linear attention, Falco
 state-space layers beside attention). Each is checked against a plain forward pass of whole
 rows, with rows longer than the windows: a group's rows packed into one sequence only where
 every layer attends as the packed mask says, a prompt's cache repeated for its group and
-finished rows leaving the batch only where the cache's rows can be selected, for the caches
-`cache_implementation` (TRL's option) picks too. A training step then runs on each, and moves
+finished rows leaving the batch where the cache's rows can be selected (hybrids' recurrent
+states included), for the caches `cache_implementation` (TRL's option) picks too. A training step then runs on each, and moves
 the adapter only."""
 
 import pytest
@@ -126,7 +126,10 @@ def test_sampled_logprobs_are_those_of_a_forward_pass(name, cache_implementation
         temperature=0.9,
         cache_implementation=cache_implementation,  # TRL's option, for generate's cache
     )
-    sampled = {}
+    sampled, rows = {}, []  # rows: of each forward pass, sampling with compaction
+    record = model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     for compact in (True, False):
         with seeded(5):
             sampled[compact] = generate_with_transformers(
@@ -137,10 +140,17 @@ def test_sampled_logprobs_are_those_of_a_forward_pass(name, cache_implementation
                 return_logprobs=True,
                 compact_finished_rows=compact,
             )
+        if compact:
+            record.remove()
     ids, mask, completion_ids, logps = sampled[True]
     assert torch.equal(completion_ids, sampled[False][2])
     kept = completion_mask(completion_ids)
     assert 0 < kept.sum() < kept.numel()  # some rows ended early
+    # Each prompt encoded once, finished rows leaving, where the cache's rows can be selected:
+    # all but a static cache.
+    levers = cache_implementation != "static"
+    assert (rows[0] == 3) == levers  # the first pass: the 3 prompts, or their 12 rows
+    assert (min(rows) < 12) == levers
     with torch.no_grad():
         logits = model(
             input_ids=torch.cat([ids, completion_ids], 1),

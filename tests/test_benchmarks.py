@@ -184,8 +184,9 @@ def test_compact_sampling_draws_the_same_tokens_both_ways(capsys):
     assert "same tokens: True" in capsys.readouterr().out
 
 
-def test_levers_on_and_off_compute_the_same(capsys):
-    report = load("levers").main(["--model", "tiny", "--repeats", "1", "--max-tokens", "16"])
+@pytest.mark.parametrize("model", ["tiny", "hybrid-random"])
+def test_levers_on_and_off_compute_the_same(capsys, model):
+    report = load("levers").main(["--model", model, "--repeats", "1", "--max-tokens", "16"])
     same = report["sampling"]["same"]
     assert "KV cache grown by concatenation" in same
     assert all(same.values())  # merged or not, compacting or not, the cache grown in place or not

@@ -5,7 +5,7 @@ token still runs through the model at each later step, its token replaced by pad
 completions of spread lengths much of the last steps' compute goes to rows already done.
 `compacting_sample` is `generate`'s own sampling loop (`GenerationMixin._sample`) with two
 changes: after each step, the rows that have finished leave the batch, the KV cache
-(`Cache.batch_select_indices`) and the attention mask, so each forward pass costs the rows
+(`select_rows`) and the attention mask, so each forward pass costs the rows
 still running; and the cache's layers grow in place (`kv_room.RoomyLayer`) rather than by one
 concatenation per step. It is passed to `generate` as `custom_generate`, so the generation config, the
 logits processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
@@ -23,7 +23,8 @@ check the same tokens on the tiny model.
 
 Rows are dropped only where that is exact: with an end-of-sequence criterion (finished rows
 are then padding in `generate` too), logits processors and stopping criteria that look at
-each row alone (`ROW_WISE_PROCESSORS`, `ROW_WISE_CRITERIA`), a cache of dynamic layers, and
+each row alone (`ROW_WISE_PROCESSORS`, `ROW_WISE_CRITERIA`), a cache whose rows can be
+selected (`rows_selectable`: dynamic attention layers, hybrid models' recurrent ones), and
 model inputs whose rows can be selected (`ROW_INPUTS`). Otherwise the loop runs as `generate`'s.
 """
 
@@ -34,6 +35,7 @@ import dataclasses
 import inspect
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
@@ -137,15 +139,42 @@ def _has_generate_internals(model) -> bool:
     )
 
 
-def rows_selectable(cache) -> bool:
-    """Whether the rows of `cache` can be selected and repeated exactly: a `DynamicCache` of
-    full or sliding-window attention layers only. Subclasses of those layers are not taken on
-    trust: a hybrid model's layer (attention and a recurrent state) is a `DynamicLayer` whose
-    row selection leaves its recurrent state as it was."""
-    return isinstance(cache, DynamicCache) and all(
-        type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, kv_room.RoomyLayer)
-        for layer in cache.layers
+# Cache layers whose rows `batch_select_indices` selects (and repeats): attention's keys and
+# values, nothing else.
+_ATTENTION_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, kv_room.RoomyLayer)
+# Hybrid models' layers (transformers 5.25): the recurrent states of linear attention or
+# state-space layers, alone or beside attention's keys and values. `reorder_cache`, beam
+# search's, selects the rows of all of them; `batch_select_indices` would leave the recurrent
+# states as they were (these are `DynamicLayer`s too).
+_RECURRENT_LAYERS = tuple(
+    getattr(cache_utils, name)
+    for name in (
+        "LinearAttentionLayer",
+        "LinearAttentionAndFullAttentionLayer",
+        "LinearAttentionAndSlidingWindowAttentionLayer",
     )
+    if hasattr(cache_utils, name)
+)
+
+
+def rows_selectable(cache) -> bool:
+    """Whether the rows of `cache` can be selected and repeated exactly (`select_rows`): a
+    `DynamicCache` of full or sliding-window attention layers and hybrid models' recurrent
+    ones. Other layers, subclasses included, are not taken on trust (a static cache's rows are
+    fixed, a quantized one holds more than keys and values)."""
+    return isinstance(cache, DynamicCache) and all(
+        type(layer) in _ATTENTION_LAYERS + _RECURRENT_LAYERS for layer in cache.layers
+    )
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keeps the rows `rows` `(n,)` of every layer of `cache` (`rows_selectable`), in that
+    order; a row listed twice is repeated."""
+    for layer in cache.layers:
+        if type(layer) in _RECURRENT_LAYERS:
+            layer.reorder_cache(rows)
+        else:
+            layer.batch_select_indices(rows)
 
 
 def compacting_sample(
@@ -267,7 +296,7 @@ def _row_wise(logits_processor, stopping_criteria, model_kwargs: dict) -> bool:
 def _select_rows(model_kwargs: dict, logits_processor, keep: torch.Tensor) -> None:
     """Keeps the rows `keep` of the cache, the carried model inputs, and the one per-row state
     of a processor: the repetition penalty's prompt length to ignore, when given per row."""
-    model_kwargs["cache"].batch_select_indices(keep)
+    select_rows(model_kwargs["cache"], keep)
     for key in ROW_INPUTS:
         if model_kwargs.get(key) is not None:
             model_kwargs[key] = model_kwargs[key][keep]

@@ -39,8 +39,8 @@ def generate_with_transformers(
 
     Each prompt is run through the model once (`_generate_groups`): its first token is sampled
     G times from that one pass, and the rest of the group continues from the prompt's cache
-    repeated G times (where its rows repeat exactly: not a recurrent layer's state, as in
-    Qwen3.5's or Falcon-H1's hybrids, whose prompts are encoded G times). The number of forward passes is that of one `generate` call that expands
+    repeated G times (where its rows repeat exactly, `compacting.rows_selectable`; a static
+    cache's do not, and its prompts are encoded G times). The number of forward passes is that of one `generate` call that expands
     each prompt into its group first, which encodes every prompt G times.
 
     Rows that have finished leave the batch and the KV cache at the next step
@@ -134,12 +134,17 @@ def _generate_groups(
     2. Sample G first tokens per prompt from those scores (as `generate` samples).
     3. Repeat the cache G times and let `generate` continue the B*G rows for T - 1 tokens.
     None (each prompt encoded G times instead) where the cache's rows cannot be repeated
-    exactly (`compacting.rows_selectable`): a hybrid model's recurrent layers.
+    exactly (`compacting.rows_selectable`).
     A row whose first token ends it continues in step 3 like the others; the completion mask
     ends it at that token.
     """
     group_size = generation_config.num_return_sequences
-    if not generation_config.max_new_tokens:
+    # a cache other than the dynamic one (static, quantized, offloaded) has rows that do not
+    # repeat: known from the config, before any pass
+    if not generation_config.max_new_tokens or generation_config.cache_implementation not in (
+        None,
+        "dynamic",
+    ):
         return None
     first_config = copy.deepcopy(generation_config)
     first_config.num_return_sequences = 1
@@ -150,7 +155,7 @@ def _generate_groups(
     first = model.generate(**encoded, generation_config=first_config)
     cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
     if cache is None or not compacting.rows_selectable(cache) or first.scores is None:
-        return None  # e.g. a recurrent layer's state, which does not repeat
+        return None  # e.g. a static cache, whose rows are fixed
     # Step 1 used the prompts only; min_new_tokens (no eos before it) still holds for step 2.
     scores = first.scores[0].float()  # (B, V), processed
     if generation_config.min_new_tokens:
@@ -163,7 +168,8 @@ def _generate_groups(
     remaining = generation_config.max_new_tokens - 1
     if remaining < 1:
         return first_tokens, step_logits
-    cache.batch_repeat_interleave(group_size)  # (B*G, heads, P, head_dim) per layer
+    rows = torch.arange(first_tokens.shape[0] // group_size, device=first_tokens.device)
+    compacting.select_rows(cache, rows.repeat_interleave(group_size))  # B*G rows per layer
     rest_config = copy.deepcopy(generation_config)
     rest_config.num_return_sequences = 1
     rest_config.max_new_tokens = remaining
