@@ -5,10 +5,10 @@ token still runs through the model at each later step, its token replaced by pad
 completions of spread lengths much of the last steps' compute goes to rows already done.
 `compacting_sample` is `generate`'s own sampling loop (`GenerationMixin._sample`) with two
 changes: after each step, the rows that have finished leave the batch, the KV cache
-(`select_rows`) and the attention mask, so each forward pass costs the rows
-still running; and the cache's layers grow in place (`kv_room.RoomyLayer`) rather than by one
-concatenation per step. It is passed to `generate` as `custom_generate`, so the generation config, the
-logits processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
+(`select_rows`) and the attention mask, so each forward pass costs the rows still running; and
+the cache's layers grow in place (`kv_room.RoomyLayer`) rather than by one concatenation per
+step. It is passed to `generate` as `custom_generate`, so the generation config, the logits
+processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
 tokens, ...), the stopping criteria and the cache are built by `generate` as for any call.
 
 Sampling draws one uniform number per row and step, `u ~ U(0, 1)`, and takes the first token

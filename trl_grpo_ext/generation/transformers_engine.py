@@ -40,8 +40,9 @@ def generate_with_transformers(
     Each prompt is run through the model once (`_generate_groups`): its first token is sampled
     G times from that one pass, and the rest of the group continues from the prompt's cache
     repeated G times (where its rows repeat exactly, `compacting.rows_selectable`; a static
-    cache's do not, and its prompts are encoded G times). The number of forward passes is that of one `generate` call that expands
-    each prompt into its group first, which encodes every prompt G times.
+    cache's do not, and its prompts are encoded G times). The number of forward passes is that
+    of one `generate` call that expands each prompt into its group first, which encodes every
+    prompt G times.
 
     Rows that have finished leave the batch and the KV cache at the next step
     (`compacting.compacting_sample`), so the last steps cost only the rows still sampling; the
@@ -168,8 +169,8 @@ def _generate_groups(
     remaining = generation_config.max_new_tokens - 1
     if remaining < 1:
         return first_tokens, step_logits
-    rows = torch.arange(first_tokens.shape[0] // group_size, device=first_tokens.device)
-    compacting.select_rows(cache, rows.repeat_interleave(group_size))  # B*G rows per layer
+    prompts = torch.arange(encoded["input_ids"].shape[0], device=first_tokens.device)  # (B,)
+    compacting.select_rows(cache, prompts.repeat_interleave(group_size))  # B*G rows per layer
     rest_config = copy.deepcopy(generation_config)
     rest_config.num_return_sequences = 1
     rest_config.max_new_tokens = remaining
