@@ -35,20 +35,21 @@ SMALL = dict(
     eos_token_id=1,
     bos_token_id=2,
 )
-# name: (model_type, config fields, whether a group's rows of 14 tokens are packed)
+# name: (model_type, config fields, whether a group's rows of 14 tokens are packed under SDPA's
+# attention by blocks, and under eager attention)
 ARCHITECTURES = {
-    "llama": ("llama", {}, True),
-    "mistral, rows inside the window": ("mistral", {"sliding_window": 32}, True),
-    "mistral, rows past the window": ("mistral", {"sliding_window": WINDOW}, False),
+    "llama": ("llama", {}, (True, True)),
+    "mistral, rows inside the window": ("mistral", {"sliding_window": 32}, (True, True)),
+    "mistral, rows past the window": ("mistral", {"sliding_window": WINDOW}, (True, False)),
     "gemma3, sliding and full layers": (
         "gemma3_text",
         {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
-        False,
+        (True, False),
     ),
     "olmo3, sliding and full layers": (
         "olmo3",
         {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
-        False,
+        (True, False),
     ),
     "qwen3.5, linear attention and full layers": (
         "qwen3_5_text",
@@ -59,7 +60,7 @@ ARCHITECTURES = {
             "linear_key_head_dim": 8,
             "linear_value_head_dim": 8,
         },
-        False,
+        (False, False),
     ),
     "falcon-h1, state-space beside attention": (
         "falcon_h1",
@@ -72,24 +73,27 @@ ARCHITECTURES = {
             "mamba_d_conv": 4,
             "mamba_expand": 2,
         },
-        False,
+        (False, False),
     ),
 }
 
 
-def build(name, **overrides):
+def build(name, attention="sdpa", **overrides):
+    """The model and whether its group rows are packed, under `attention`."""
     model_type, fields, packed = ARCHITECTURES[name]
     try:
         config = AutoConfig.for_model(model_type, **{**SMALL, **overrides}, **fields)
     except ValueError:
         pytest.skip(f"this transformers has no {model_type}")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval(), packed
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    return model.eval(), packed[attention == "eager"]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_logprobs_and_gradients_match_whole_rows(name):
-    model, packed = build(name)
+def test_logprobs_and_gradients_match_whole_rows(name, attention):
+    model, packed = build(name, attention)
     inputs = batch(VOCAB, 3, 4)  # three prompts of 10 tokens, four completions of 4 each
     assert inputs[0].shape[1] > WINDOW
     assert (_shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None) == packed

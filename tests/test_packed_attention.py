@@ -175,3 +175,28 @@ def test_packing_pays_for_long_completions_by_blocks():
     assert packing_pays(Model(), 57, 64, 8) and packing_pays(Model(), 57, 64, 8, by_blocks=True)
     assert not packing_pays(Model(), 57, 256, 8)
     assert packing_pays(Model(), 57, 256, 8, by_blocks=True)
+
+
+def test_a_sliding_window_needs_the_layers_index_and_its_configs_window():
+    """A layer is masked to its window by its index in `layer_types`: without an index, or
+    with a window other than its config's, it cannot be, and says so."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(num_hidden_layers=2, sliding_window=3)
+    config._attn_implementation = "sdpa"
+    length = 2 + 2 * 3  # a prompt of 2 tokens, 2 blocks of 3
+    mask = torch.ones(1, 1, length, length, dtype=torch.bool).tril()
+    packed_attention.register_packed_mask(config, mask, prefix_length=2, group_size=2)
+    states = torch.randn(1, 2, length, 4)
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 1
+
+    layer = Layer()
+    with pytest.raises(RuntimeError, match="layer_idx"):
+        packed_attention._packed_sdpa(layer, states, states, states, mask)
+    layer.layer_idx = 1
+    with pytest.raises(RuntimeError, match="window of 5 tokens, its config 3"):
+        packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=5)
+    out, _ = packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=3)
+    assert out.shape == (1, length, 2, 4)

@@ -732,32 +732,34 @@ def packing_pays(
     return packed_cost < rows_cost
 
 
-# The configuration field holding the window of each kind of windowed attention layer.
-_WINDOWS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
-
-
-def _layers_attend_as_masked(config, row_length: int) -> bool:
+def _layers_attend_as_masked(config, row_length: int, by_blocks: bool) -> bool:
     """Whether every layer of a (text) `config` computes under a packed row's 4D mask what it
     computes in each completion's own row of `row_length` tokens.
 
     transformers hands a 4D mask to every layer as it is. Full attention then attends as the
-    mask says, and layers that mix no tokens (MLP, MoE) are unaffected; a sliding-window or
-    chunked layer attends past its window where the row is longer than it, and a recurrent
-    layer (linear attention, state-space, convolution) carries its state from one completion's
-    block into the next. Without `layer_types`, one window for every layer where the config
-    has one (Mistral's `sliding_window`, for instance).
+    mask says, and layers that mix no tokens (MLP, MoE) are unaffected. A sliding-window layer
+    would attend past its window where the row is longer than it: attention by blocks
+    (`by_blocks`, `packed_attention`) narrows the mask to each layer's window, other
+    implementations pack only rows inside every window. A chunked layer likewise needs the row
+    inside one chunk, and a recurrent layer (linear attention, state-space, convolution) would
+    carry its state from one completion's block into the next.
     """
     kinds = getattr(config, "layer_types", None)
-    if kinds is None:
+    if kinds is None:  # one kind for every layer
+        chunk = getattr(config, "attention_chunk_size", None)
+        window = getattr(config, "sliding_window", None)
         kinds = [
-            next((kind for kind, field in _WINDOWS.items() if getattr(config, field, None)), None)
-            or "full_attention"
+            "chunked_attention" if chunk else "sliding_attention" if window else "full_attention"
         ]
     for kind in set(kinds):
-        if kind in ("full_attention", "mlp", "moe"):
-            continue
-        window = getattr(config, _WINDOWS[kind], None) if kind in _WINDOWS else None
-        if window is None or window < row_length:
+        if kind == "sliding_attention":
+            window = getattr(config, "sliding_window", None)
+            if not by_blocks and window is not None and window < row_length:
+                return False
+        elif kind == "chunked_attention":
+            if config.attention_chunk_size < row_length:
+                return False
+        elif kind not in ("full_attention", "mlp", "moe"):
             return False
     return True
 
@@ -767,9 +769,9 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     once, in one forward pass; None when it does not apply (no two consecutive rows share a
     prompt, groups of unequal size, or an attention implementation that ignores custom masks)
     or does not pay (`packing_pays`), or where a layer would not attend as the mask says
-    (`_layers_attend_as_masked`: recurrent layers, windows shorter than the rows). With `head`
-    (the model's output head), the hidden states `(B, T, H)` that enter it instead of the
-    logits.
+    (`_layers_attend_as_masked`: recurrent layers, windows shorter than the rows outside
+    attention by blocks). With `head` (the model's output head), the hidden states `(B, T, H)`
+    that enter it instead of the logits.
 
     Each run of `n` consecutive rows with the same prompt becomes one packed row: the prompt
     but its last token, then for every completion a block of `T` tokens (the last prompt token
@@ -786,9 +788,9 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager", ATTENTION):
         return None
-    if not _layers_attend_as_masked(config, total_length):
-        return None
     by_blocks = attends_by_blocks(config)  # each block over the prompt and itself only
+    if not _layers_attend_as_masked(config, total_length, by_blocks):
+        return None
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
     same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (
         prompt_mask[1:] == prompt_mask[:-1]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ATTENTION", "attends_by_blocks", "register_packed_mask"]
+__all__ = ["ATTENTION", "attends_by_blocks", "layer_windows", "register_packed_mask"]
 
 ATTENTION = "trl_grpo_ext_packed_sdpa"
 
@@ -41,6 +41,52 @@ class _Layout:
     block_length: int  # T
     prefix_mask: torch.Tensor  # (U, 1, Q, Q) bool
     block_mask: torch.Tensor  # (U * G, 1, T, Q + T) bool
+    windows: tuple  # each layer's sliding window, None for full attention
+    # window -> the two masks narrowed to it, for each window shorter than Q + T
+    windowed: dict
+
+    def masks(self, module, sliding_window=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's and the blocks' masks for the attention layer `module`: narrowed to the
+        layer's sliding window where it has one shorter than a completion's row."""
+        if not self.windowed:
+            return self.prefix_mask, self.block_mask
+        index = getattr(module, "layer_idx", None)
+        if index is None:
+            raise RuntimeError(
+                "A packed row of a model with sliding windows needs each attention layer's index "
+                f"(`layer_idx`), which {type(module).__name__} does not have; set "
+                "attn_implementation='eager' to train on unpacked rows."
+            )
+        window = self.windows[index]
+        if sliding_window is not None and sliding_window != window:
+            raise RuntimeError(
+                f"{type(module).__name__} {index} attends through a window of {sliding_window} "
+                f"tokens, its config {window}: a packed row cannot be masked "
+                "for it; set attn_implementation='eager' to train on unpacked rows."
+            )
+        return self.windowed.get(window, (self.prefix_mask, self.block_mask))
+
+
+def layer_windows(config) -> list:
+    """The sliding window of each layer of a (text) `config`, None for a layer without one:
+    from `layer_types` where the config has them, else one window (Mistral's `sliding_window`)
+    or none for every layer."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def _narrowed(prefix_mask, block_mask, window: int):
+    """The prompt's `(U, 1, Q, Q)` and the blocks' `(U * G, 1, T, Q + T)` masks, a query
+    seeing only keys fewer than `window` positions before it (transformers' sliding window:
+    `q - k < window`). A block's queries sit at positions Q..Q+T-1, its keys at 0..Q+T-1."""
+    prefix_length, block_length = prefix_mask.shape[-1], block_mask.shape[-2]
+    positions = torch.arange(prefix_length + block_length, device=block_mask.device)
+    prompt = positions[:prefix_length]
+    in_prompt = (prompt[:, None] - prompt[None, :]) < window  # (Q, Q)
+    in_block = (positions[prefix_length:, None] - positions[None, :]) < window  # (T, Q + T)
+    return prefix_mask & in_prompt, block_mask & in_block
 
 
 # id(mask) -> its layout, while the mask lives (so its id is not reused; the layout holds copies,
@@ -93,16 +139,17 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
         shared = states[:, :, :prefix].unsqueeze(1).expand(-1, size, -1, -1, -1).flatten(0, 1)
         return torch.cat([shared, blocks(states)], dim=2)
 
+    prefix_mask, block_mask = layout.masks(module, kwargs.get("sliding_window"))
     prompt_out = _sdpa(
         module,
         query[:, :, :prefix],
         key[:, :, :prefix],
         value[:, :, :prefix],
-        layout.prefix_mask,
+        prefix_mask,
         **kwargs,
     )  # (U, Q, H, D)
     blocks_out = _sdpa(
-        module, blocks(query), with_prefix(key), with_prefix(value), layout.block_mask, **kwargs
+        module, blocks(query), with_prefix(key), with_prefix(value), block_mask, **kwargs
     )  # (U*G, T, H, D)
     blocks_out = blocks_out.unflatten(0, (units, size)).flatten(1, 2)  # (U, G*T, H, D)
     return torch.cat([prompt_out, blocks_out], dim=1), None
@@ -145,6 +192,8 @@ def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_s
     """Until `mask` is freed, attention layers reading `config` that receive it (a packed row's
     `(U, 1, L, L)` boolean mask: a prompt of `prefix_length` tokens, then `group_size` blocks)
     attend block by block. `config` is the model's (text) config; see `attends_by_blocks`.
+    A layer with a sliding window (`layer_windows`) attends within it: transformers would hand
+    it `mask` as it is, a whole-row mask being taken as already made for every layer.
 
     Tied to the mask's life rather than to a block of code, so that gradient checkpointing,
     which runs each layer again in the backward pass with the mask it kept, attends as the
@@ -156,8 +205,16 @@ def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_s
         )
     _register()
     prefix_mask, block_mask, block_length = _split_masks(mask, prefix_length, group_size)
+    windows = tuple(layer_windows(config))
+    windowed = {
+        window: _narrowed(prefix_mask, block_mask, window)
+        for window in set(windows) - {None}
+        if window < prefix_length + block_length
+    }
     key = id(mask)
-    _LAYOUTS[key] = _Layout(prefix_length, group_size, block_length, prefix_mask, block_mask)
+    _LAYOUTS[key] = _Layout(
+        prefix_length, group_size, block_length, prefix_mask, block_mask, windows, windowed
+    )
     with _LOCK:
         selected = _SELECTED.setdefault(id(config), [config._attn_implementation, 0])
         selected[1] += 1
