@@ -196,7 +196,7 @@ def test_a_sliding_window_needs_the_layers_index_and_its_configs_window():
     with pytest.raises(RuntimeError, match="layer_idx"):
         packed_attention._packed_sdpa(layer, states, states, states, mask)
     layer.layer_idx = 1
-    with pytest.raises(RuntimeError, match="window of 5 tokens, its config 3"):
+    with pytest.raises(RuntimeError, match="window of 5 tokens where its config gives 3"):
         packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=5)
     out, _ = packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=3)
     assert out.shape == (1, length, 2, 4)

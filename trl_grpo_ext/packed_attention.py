@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ATTENTION", "attends_by_blocks", "layer_windows", "register_packed_mask"]
+__all__ = ["ATTENTION", "attends_by_blocks", "register_packed_mask"]
 
 ATTENTION = "trl_grpo_ext_packed_sdpa"
 
@@ -61,7 +61,7 @@ class _Layout:
         if sliding_window is not None and sliding_window != window:
             raise RuntimeError(
                 f"{type(module).__name__} {index} attends through a window of {sliding_window} "
-                f"tokens, its config {window}: a packed row cannot be masked "
+                f"tokens where its config gives {window}: a packed row cannot be masked "
                 "for it; set attn_implementation='eager' to train on unpacked rows."
             )
         return self.windowed.get(window, (self.prefix_mask, self.block_mask))
