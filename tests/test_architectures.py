@@ -196,3 +196,82 @@ def test_one_training_step_moves_the_adapter_only(name, tmp_path):
             assert torch.equal(
                 value, base[key.replace("base_model.model.", "").replace(".base_layer", "")]
             ), key
+
+
+TEXT = {k: v for k, v in SMALL.items() if k != "bos_token_id"}
+# Vision-language models on text-only rows: name -> (model_type, config fields)
+VISION_LANGUAGE = {
+    "qwen2.5-vl, rotary offsets kept on the model": (
+        "qwen2_5_vl",
+        {
+            "text_config": {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+            },
+        },
+    ),
+    "gemma3, sliding and full layers": (
+        "gemma3",
+        {
+            "text_config": {
+                **TEXT,
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "mm_tokens_per_image": 4,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VISION_LANGUAGE))
+def test_vision_language_models_on_text_rows(name):
+    """Packed log-probs and sampled log-probs as a forward pass of whole rows: Qwen2.5-VL keeps
+    each prompt's rotary offset on the model between `generate` calls, repeated for the group."""
+    from transformers import AutoModelForImageTextToText
+
+    model_type, fields = VISION_LANGUAGE[name]
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    for parameter_name, parameter in model.named_parameters():  # no image: no gradient there
+        if "language_model" not in parameter_name and "lm_head" not in parameter_name:
+            parameter.requires_grad_(False)
+    inputs = batch(VOCAB, 3, 4)
+    assert _shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None  # packed
+    assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
+
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :2], prompt_mask[0, :2] = PAD, 0
+    config = sampling_config(
+        max_new_tokens=12, eos_token_id=ENDS, pad_token_id=PAD, num_return_sequences=4
+    )
+    with seeded(5):
+        ids, mask, completion_ids, logps = generate_with_transformers(
+            model, prompt_ids, prompt_mask, generation_config=config, return_logprobs=True
+        )
+    kept = completion_mask(completion_ids)
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([ids, completion_ids], 1),
+            attention_mask=torch.cat([mask, kept], 1),
+        ).logits[:, ids.shape[1] - 1 : -1]
+    want = token_logprobs(logits, completion_ids, 1.0)
+    torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)

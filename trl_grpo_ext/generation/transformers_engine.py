@@ -170,7 +170,9 @@ def _generate_groups(
     if remaining < 1:
         return first_tokens, step_logits
     prompts = torch.arange(encoded["input_ids"].shape[0], device=first_tokens.device)  # (B,)
-    compacting.select_rows(cache, prompts.repeat_interleave(group_size))  # B*G rows per layer
+    rows = prompts.repeat_interleave(group_size)  # (B*G,): each prompt's row, G times
+    compacting.select_rows(cache, rows)
+    _repeat_rotary_offsets(model, rows, len(prompts))
     rest_config = copy.deepcopy(generation_config)
     rest_config.num_return_sequences = 1
     rest_config.max_new_tokens = remaining
@@ -191,6 +193,16 @@ def _generate_groups(
     if want_logits:
         return output.sequences[:, prompt_ids.shape[1] :], step_logits + list(output.logits)
     return output[:, prompt_ids.shape[1] :], None
+
+
+def _repeat_rotary_offsets(model, rows: torch.Tensor, num_prompts: int) -> None:
+    """Qwen2-VL-style models keep each prompt's rotary offset (`rope_deltas`, `(B, 1)`) on the
+    model between `generate` calls, for the positions of the tokens after the cache: each row
+    of a group takes its prompt's, as `generate` computes them for prompts repeated G times."""
+    for module in model.modules():
+        offsets = getattr(module, "rope_deltas", None)
+        if isinstance(offsets, torch.Tensor) and offsets.shape[0] == num_prompts:
+            module.rope_deltas = offsets[rows.to(offsets.device)]
 
 
 def _as_list(value) -> list:
