@@ -107,6 +107,48 @@ def completion_mask(completion_ids):
     return (ends.cumsum(1) - ends == 0).long()
 
 
+def sample(model, compact=True, cache_implementation=None, temperature=1.0):
+    """Four completions of at most 12 tokens (rows of 18, three times the window) for each of
+    three prompts of 6 tokens, the first left-padded, seeded: `generate_with_transformers`'s
+    (prompt ids, prompt mask, completion ids, sampled log-probs)."""
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :2], prompt_mask[0, :2] = PAD, 0
+    config = sampling_config(
+        max_new_tokens=12,
+        eos_token_id=ENDS,
+        pad_token_id=PAD,
+        num_return_sequences=4,
+        temperature=temperature,
+        cache_implementation=cache_implementation,  # TRL's option, for generate's cache
+    )
+    with seeded(5):
+        return generate_with_transformers(
+            model,
+            prompt_ids,
+            prompt_mask,
+            generation_config=config,
+            return_logprobs=True,
+            compact_finished_rows=compact,
+        )
+
+
+def assert_logprobs_of_a_forward_pass(model, sampled, temperature=1.0):
+    """The sampled tokens' log-probs are those of one forward pass over the whole rows, up to
+    and including each row's end."""
+    ids, mask, completion_ids, logps = sampled
+    kept = completion_mask(completion_ids)
+    assert 0 < kept.sum() < kept.numel()  # some rows ended early
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([ids, completion_ids], 1),
+            attention_mask=torch.cat([mask, kept], 1),
+        ).logits[:, ids.shape[1] - 1 : -1]
+    want = token_logprobs(logits, completion_ids, temperature)
+    torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "name, cache_implementation",
     [(name, None) for name in ARCHITECTURES]
@@ -118,52 +160,22 @@ def completion_mask(completion_ids):
 )
 def test_sampled_logprobs_are_those_of_a_forward_pass(name, cache_implementation):
     model, _ = build(name)
-    generator = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_ids[0, :2], prompt_mask[0, :2] = PAD, 0  # left padding
-    config = sampling_config(
-        max_new_tokens=12,  # rows of 18 tokens, three times the window
-        eos_token_id=ENDS,
-        pad_token_id=PAD,
-        num_return_sequences=4,
-        temperature=0.9,
-        cache_implementation=cache_implementation,  # TRL's option, for generate's cache
-    )
-    sampled, rows = {}, []  # rows: of each forward pass, sampling with compaction
+    rows = []  # of each forward pass, sampling with compaction
     record = model.register_forward_pre_hook(
         lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
-    for compact in (True, False):
-        with seeded(5):
-            sampled[compact] = generate_with_transformers(
-                model,
-                prompt_ids,
-                prompt_mask,
-                generation_config=config,
-                return_logprobs=True,
-                compact_finished_rows=compact,
-            )
-        if compact:
-            record.remove()
-    ids, mask, completion_ids, logps = sampled[True]
-    assert torch.equal(completion_ids, sampled[False][2])
-    kept = completion_mask(completion_ids)
-    assert 0 < kept.sum() < kept.numel()  # some rows ended early
+    compacted = sample(model, True, cache_implementation, temperature=0.9)
+    record.remove()
+    every_row = sample(model, False, cache_implementation, temperature=0.9)
+    assert torch.equal(compacted[2], every_row[2])
     # Each prompt encoded once, finished rows leaving, where the cache's rows can be selected:
     # all but a static cache.
     levers = cache_implementation != "static"
     assert (rows[0] == 3) == levers  # the first pass: the 3 prompts, or their 12 rows
     # (transformers before 5.24 samples with `generate` itself: every row to the end)
     assert (min(rows[1:]) < 12) == (levers and compacting.can_compact(model))
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.cat([ids, completion_ids], 1),
-            attention_mask=torch.cat([mask, kept], 1),
-        ).logits[:, ids.shape[1] - 1 : -1]
-    want = token_logprobs(logits, completion_ids, 0.9)
-    torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sampled[False][3] * kept, want * kept, atol=1e-5, rtol=1e-5)
+    assert_logprobs_of_a_forward_pass(model, compacted, temperature=0.9)
+    assert_logprobs_of_a_forward_pass(model, every_row, temperature=0.9)
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
@@ -256,22 +268,4 @@ def test_vision_language_models_on_text_rows(name):
     assert _shared_prompt_logits(model, *inputs[:2], inputs[2].shape[1]) is not None  # packed
     assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
 
-    generator = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(7, VOCAB, (3, 6), generator=generator)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_ids[0, :2], prompt_mask[0, :2] = PAD, 0
-    config = sampling_config(
-        max_new_tokens=12, eos_token_id=ENDS, pad_token_id=PAD, num_return_sequences=4
-    )
-    with seeded(5):
-        ids, mask, completion_ids, logps = generate_with_transformers(
-            model, prompt_ids, prompt_mask, generation_config=config, return_logprobs=True
-        )
-    kept = completion_mask(completion_ids)
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.cat([ids, completion_ids], 1),
-            attention_mask=torch.cat([mask, kept], 1),
-        ).logits[:, ids.shape[1] - 1 : -1]
-    want = token_logprobs(logits, completion_ids, 1.0)
-    torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)
+    assert_logprobs_of_a_forward_pass(model, sample(model))
