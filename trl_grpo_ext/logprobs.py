@@ -31,7 +31,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .packed_attention import ATTENTION, attends_by_blocks, register_packed_mask
+from .packed_attention import ATTENTION, attends_by_blocks, layer_kinds, register_packed_mask
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -744,16 +744,9 @@ def _layers_attend_as_masked(config, row_length: int, by_blocks: bool) -> bool:
     inside one chunk, and a recurrent layer (linear attention, state-space, convolution) would
     carry its state from one completion's block into the next.
     """
-    kinds = getattr(config, "layer_types", None)
-    if kinds is None:  # one kind for every layer
-        chunk = getattr(config, "attention_chunk_size", None)
-        window = getattr(config, "sliding_window", None)
-        kinds = [
-            "chunked_attention" if chunk else "sliding_attention" if window else "full_attention"
-        ]
-    for kind in set(kinds):
+    window = getattr(config, "sliding_window", None)
+    for kind in set(layer_kinds(config)):
         if kind == "sliding_attention":
-            window = getattr(config, "sliding_window", None)
             if not by_blocks and window is not None and window < row_length:
                 return False
         elif kind == "chunked_attention":

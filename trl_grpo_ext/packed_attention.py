@@ -67,14 +67,26 @@ class _Layout:
         return self.windowed.get(window, (self.prefix_mask, self.block_mask))
 
 
-def layer_windows(config) -> list:
-    """The sliding window of each layer of a (text) `config`, None for a layer without one:
-    from `layer_types` where the config has them, else one window (Mistral's `sliding_window`)
-    or none for every layer."""
+def layer_kinds(config) -> list[str]:
+    """Each layer's kind in a (text) `config`: its `layer_types` ("full_attention",
+    "sliding_attention", "linear_attention", ...), else one kind for every layer, from the
+    config's window (Mistral's `sliding_window`) or chunk (`attention_chunk_size`)."""
     kinds = getattr(config, "layer_types", None)
-    if kinds is None:
-        return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
-    return [config.sliding_window if kind == "sliding_attention" else None for kind in kinds]
+    if kinds is not None:
+        return list(kinds)
+    if getattr(config, "attention_chunk_size", None):
+        kind = "chunked_attention"
+    elif getattr(config, "sliding_window", None):
+        kind = "sliding_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * getattr(config, "num_hidden_layers", 1)
+
+
+def layer_windows(config) -> list:
+    """The sliding window of each layer of a (text) `config`, None for a layer without one."""
+    window = getattr(config, "sliding_window", None)
+    return [window if kind == "sliding_attention" else None for kind in layer_kinds(config)]
 
 
 def _narrowed(prefix_mask, block_mask, window: int):
