@@ -199,4 +199,14 @@ def test_a_sliding_window_needs_the_layers_index_and_its_configs_window():
     with pytest.raises(RuntimeError, match="window of 5 tokens where its config gives 3"):
         packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=5)
     out, _ = packed_attention._packed_sdpa(layer, states, states, states, mask, sliding_window=3)
-    assert out.shape == (1, length, 2, 4)
+    # The same row without a window: queries at positions 0-2 (the prompt's two, each block's
+    # first) see all their keys either way; the later ones lose the keys 3 or more back.
+    full_config = MistralConfig(num_hidden_layers=2, sliding_window=None)
+    full_config._attn_implementation = "sdpa"
+    full_mask = mask.clone()
+    packed_attention.register_packed_mask(full_config, full_mask, prefix_length=2, group_size=2)
+    full, _ = packed_attention._packed_sdpa(layer, states, states, states, full_mask)
+    within = [0, 1, 2, 5]  # prompt 0, 1; block 0 token 0; block 1 token 0 (positions 0, 1, 2, 2)
+    past = [3, 4, 6, 7]
+    torch.testing.assert_close(out[:, within], full[:, within])
+    assert all(not torch.allclose(out[:, i], full[:, i]) for i in past)
