@@ -24,12 +24,15 @@ training (reset there too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +59,23 @@ DEFAULTS = {
     "gradient_checkpointing": False,
     "system_prompt": True,
 }
+
+
+@contextlib.contextmanager
+def work_folder(output_dir: str | None, prefix: str):
+    """`output_dir` when the user names one; else a temporary folder, removed when the block
+    ends. After an error it stays, named on stderr, for the runs' logs that say why."""
+    if output_dir:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        yield Path(output_dir)
+        return
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    except BaseException:
+        print(f"The runs' logs are kept in {folder}", file=sys.stderr)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ models

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +109,6 @@ def main(argv=None) -> dict:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {device_name}; {model_dir}")
     spec = {
         "model_dir": model_dir,
-        "output_dir": str(Path(args.output_dir or tempfile.mkdtemp(prefix="bench-gpu-")) / "run"),
         "device": args.device,
         "dtype": args.dtype,
         "gradient_checkpointing": not args.no_gradient_checkpointing,
@@ -132,7 +130,9 @@ def main(argv=None) -> dict:
             "vllm_max_model_length": 2048,
         }
         spec.update(engine_args=vllm, trl_fallback_engine_args={})
-    results = _common.run_alternating(spec, args.rounds, in_process=args.in_process)
+    with _common.work_folder(args.output_dir, "bench-gpu-") as output_dir:
+        spec["output_dir"] = str(output_dir / "run")
+        results = _common.run_alternating(spec, args.rounds, in_process=args.in_process)
     memory = "peak CUDA allocated" if args.device == "cuda" else "peak RSS"
     print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
     table = _common.table(f"{args.shape}, {args.engine} ({device_name})", results, memory=memory)

@@ -31,7 +31,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -197,57 +196,56 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--json", default=None, help="also write the raw records here")
     args = parser.parse_args(argv)
-    output_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="bench-vllm-trainer-"))
-    output_dir.mkdir(parents=True, exist_ok=True)
-    report, tables = {}, []
-    for model in args.models.split(","):
-        model_dir = MODELS[model]()
-        base = {
-            "model_dir": model_dir,
-            "steps": args.steps,
-            "warmup_steps": args.warmup_steps,
-            "max_completion_length": args.max_completion_length,
-            "threads": args.threads,
-        }
-        engines = args.engines.split(",")
-        server, base_url = None, None
-        if any(ENGINES[name][1] for name in engines):
-            started = time.perf_counter()
-            server, base_url = start_server(
-                model_dir, _common.DEFAULTS["lora_r"], output_dir / f"{model}-server.log"
-            )
-            print(f"{model}: server up in {time.perf_counter() - started:.0f} s", flush=True)
-        summaries, report[model] = {}, {}
-        try:
-            for index, name in enumerate(engines):
-                settings = dict(ENGINES[name][0])
-                if settings.get("vllm_mode") == "server":
-                    settings["vllm_server_base_url"] = base_url
-                if settings.get("vllm_mode") == "colocate":
-                    settings["vllm_max_model_length"] = 1024
-                spec = {
-                    **base,
-                    "engine_args": settings,
-                    "output_dir": str(output_dir / model / f"{index}"),
-                }
+    with _common.work_folder(args.output_dir, "bench-vllm-trainer-") as output_dir:
+        report, tables = {}, []
+        for model in args.models.split(","):
+            model_dir = MODELS[model]()
+            base = {
+                "model_dir": model_dir,
+                "steps": args.steps,
+                "warmup_steps": args.warmup_steps,
+                "max_completion_length": args.max_completion_length,
+                "threads": args.threads,
+            }
+            engines = args.engines.split(",")
+            server, base_url = None, None
+            if any(ENGINES[name][1] for name in engines):
                 started = time.perf_counter()
-                result = run(spec)
-                summaries[name] = summary(result)
-                report[model][name] = result
-                print(
-                    f"  {name}: {time.perf_counter() - started:.0f} s in all, "
-                    f"{summaries[name]['step']:.2f} s/step",
-                    flush=True,
+                server, base_url = start_server(
+                    model_dir, _common.DEFAULTS["lora_r"], output_dir / f"{model}-server.log"
                 )
-        finally:
-            if server is not None:
-                server.terminate()
-                server.wait(timeout=60)
-        tables.append(table(model, summaries))
-    print("\n\n".join(tables))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return report
+                print(f"{model}: server up in {time.perf_counter() - started:.0f} s", flush=True)
+            summaries, report[model] = {}, {}
+            try:
+                for index, name in enumerate(engines):
+                    settings = dict(ENGINES[name][0])
+                    if settings.get("vllm_mode") == "server":
+                        settings["vllm_server_base_url"] = base_url
+                    if settings.get("vllm_mode") == "colocate":
+                        settings["vllm_max_model_length"] = 1024
+                    spec = {
+                        **base,
+                        "engine_args": settings,
+                        "output_dir": str(output_dir / model / f"{index}"),
+                    }
+                    started = time.perf_counter()
+                    result = run(spec)
+                    summaries[name] = summary(result)
+                    report[model][name] = result
+                    print(
+                        f"  {name}: {time.perf_counter() - started:.0f} s in all, "
+                        f"{summaries[name]['step']:.2f} s/step",
+                        flush=True,
+                    )
+            finally:
+                if server is not None:
+                    server.terminate()
+                    server.wait(timeout=60)
+            tables.append(table(model, summaries))
+        print("\n\n".join(tables))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return report
 
 
 if __name__ == "__main__":

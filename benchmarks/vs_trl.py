@@ -23,7 +23,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,45 +61,45 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None, help="also write the raw records here")
     args = parser.parse_args(argv)
 
-    output_dir = args.output_dir or tempfile.mkdtemp(prefix="bench-vs-trl-")
-    started = time.perf_counter()
-    print(
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
-        f"{_cpu_count()} CPUs; python {platform.python_version()}; {_versions()}",
-        flush=True,
-    )
-    report = {"args": vars(args), "models": {}}
-    tables = []
-    for name in args.models.split(","):
-        model_dir = (VLLM_MODELS if args.engine == "vllm" else MODELS)[name]()
-        spec = {
-            "model_dir": model_dir,
-            "output_dir": str(Path(output_dir) / name),
-            "steps": args.steps,
-            "warmup_steps": args.warmup_steps,
-            "max_completion_length": args.max_completion_length,
-            "num_prompts": args.num_prompts,
-            "num_generations": args.num_generations,
-            "micro_batch": args.micro_batch,
-            "threads": args.threads,
-            "device": "cpu",
-            "dtype": "float32",
-        }
-        if args.engine == "vllm":
-            spec.update(engine_args=VLLM_COLOCATE, trl_fallback_engine_args={})
-        print(f"{name}: {model_dir}", flush=True)
-        results = _common.run_alternating(spec, args.rounds)
-        report["models"][name] = results
-        tables.append(_common.table(name, results, memory="peak RSS"))
-        if results.get("trl_errors"):
-            tables[-1] += (
-                f"\n\nTRL with vLLM failed ({results['trl_errors'][0]}): TRL used transformers."
-            )
-    print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
-    print("\n\n".join(tables))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return report
+    with _common.work_folder(args.output_dir, "bench-vs-trl-") as output_dir:
+        started = time.perf_counter()
+        print(
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
+            f"{_cpu_count()} CPUs; python {platform.python_version()}; {_versions()}",
+            flush=True,
+        )
+        report = {"args": vars(args), "models": {}}
+        tables = []
+        for name in args.models.split(","):
+            model_dir = (VLLM_MODELS if args.engine == "vllm" else MODELS)[name]()
+            spec = {
+                "model_dir": model_dir,
+                "output_dir": str(Path(output_dir) / name),
+                "steps": args.steps,
+                "warmup_steps": args.warmup_steps,
+                "max_completion_length": args.max_completion_length,
+                "num_prompts": args.num_prompts,
+                "num_generations": args.num_generations,
+                "micro_batch": args.micro_batch,
+                "threads": args.threads,
+                "device": "cpu",
+                "dtype": "float32",
+            }
+            if args.engine == "vllm":
+                spec.update(engine_args=VLLM_COLOCATE, trl_fallback_engine_args={})
+            print(f"{name}: {model_dir}", flush=True)
+            results = _common.run_alternating(spec, args.rounds)
+            report["models"][name] = results
+            tables.append(_common.table(name, results, memory="peak RSS"))
+            if results.get("trl_errors"):
+                tables[-1] += (
+                    f"\n\nTRL with vLLM failed ({results['trl_errors'][0]}): TRL used transformers."
+                )
+        print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
+        print("\n\n".join(tables))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return report
 
 
 def _cpu_count() -> int:

@@ -2,6 +2,7 @@
 
 import importlib
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,30 @@ def check_runs(runs, completions_per_step, max_length):
         assert run["peak_bytes"] > 0
 
 
-def test_vs_trl_on_the_tiny_model_in_subprocesses(tmp_path, capsys):
-    report = load("vs_trl").main(["--models", "tiny", *TINY_RUN, "--output-dir", str(tmp_path)])
+def test_vs_trl_on_the_tiny_model_in_subprocesses(tmp_path, capsys, monkeypatch):
+    # Without --output-dir the runs go to a temporary folder, removed at the end: nothing stays
+    # in the temp folder, the workers' included.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = load("vs_trl").main(["--models", "tiny", *TINY_RUN])
     check_runs(report["models"]["tiny"], completions_per_step=8, max_length=4)
     table = capsys.readouterr().out
     for row in ("median s/step", "generated tokens/s", "s per 1,000 generated tokens", "peak RSS"):
         assert f"| {row}" in table
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_run_keeps_its_logs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    common = load("_common")
+    with pytest.raises(RuntimeError), common.work_folder(None, "bench-") as folder:
+        (folder / "stderr.log").write_text("ValueError: bad")
+        raise RuntimeError("ours failed")
+    assert (folder / "stderr.log").exists()
+    assert f"logs are kept in {folder}" in capsys.readouterr().err
+    with common.work_folder(str(tmp_path / "mine"), "bench-") as chosen:
+        pass
+    assert chosen == tmp_path / "mine" and chosen.is_dir()  # the user's folder stays
 
 
 def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
