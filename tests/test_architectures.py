@@ -269,3 +269,83 @@ def test_vision_language_models_on_text_rows(name):
     assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
 
     assert_logprobs_of_a_forward_pass(model, sample(model))
+
+
+def test_qwen_vl_with_images_drops_finished_rows_with_their_rotary_offsets():
+    """Qwen2.5-VL with images: each prompt's rotary offset differs (-2 per image here), kept on
+    the model and folded into the 3D position ids `generate` carries; finished rows leave the
+    batch with their position ids, the same tokens as every row running to the end, and the
+    sampled log-probs are a forward pass's of whole rows with their images."""
+    from transformers import AutoModelForImageTextToText
+
+    image, group = 60, 4
+    model_type, fields = VISION_LANGUAGE["qwen2.5-vl, rotary offsets kept on the model"]
+    vision_ids = dict(image_token_id=image, video_token_id=61, vision_start_token_id=62)
+    try:
+        config = AutoConfig.for_model(model_type, **fields, **vision_ids, vision_end_token_id=63)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    # prompt i holds i images of 4 tokens each (4 x 4 patches, merged 2 x 2); the first is padded
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(7, 56, (3, 14), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :3], prompt_mask[0, :3] = PAD, 0
+    prompt_ids[1, 5:9] = prompt_ids[2, 4:8] = prompt_ids[2, 9:13] = image
+    vision = model.config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    pixel_values = torch.randn(3, 16, patch, generator=generator)  # (images, patches, features)
+    images_of = [[], [0], [1, 2]]
+    image_inputs = {
+        "pixel_values": pixel_values.flatten(0, 1),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * 3),
+        "mm_token_type_ids": (prompt_ids == image).long(),
+    }
+    config = sampling_config(
+        max_new_tokens=12,
+        eos_token_id=ENDS,
+        pad_token_id=PAD,
+        num_return_sequences=group,
+        temperature=0.9,
+        generation_kwargs={"suppress_tokens": [60, 61, 62, 63]},  # no image token sampled
+    )
+    rows = []  # of each forward pass
+    record = model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    sampled = {}
+    for compact in (True, False):
+        rows.clear()
+        with seeded(5):
+            sampled[compact] = generate_with_transformers(
+                model,
+                prompt_ids,
+                prompt_mask,
+                generation_config=config,
+                return_logprobs=True,
+                image_inputs=image_inputs,
+                compact_finished_rows=compact,
+            )
+        # (transformers before 5.24 samples with `generate` itself: every row to the end)
+        dropped = min(rows[1:]) < 3 * group
+        assert rows[0] == 3 and dropped == (compact and compacting.can_compact(model))
+    record.remove()
+    assert model.model.rope_deltas.flatten().tolist() == [0] * 4 + [-2] * 4 + [-4] * 4
+    assert torch.equal(sampled[True][2], sampled[False][2])
+
+    ids, mask, completion_ids, _ = sampled[True]
+    kept = completion_mask(completion_ids)
+    rows_images = [k for prompt in range(3) for _ in range(group) for k in images_of[prompt]]
+    full = torch.cat([ids, completion_ids], 1)
+    with torch.no_grad():
+        logits = model(
+            input_ids=full,
+            attention_mask=torch.cat([mask, kept], 1),
+            pixel_values=pixel_values[rows_images].flatten(0, 1),
+            image_grid_thw=torch.tensor([[1, 4, 4]] * len(rows_images)),
+            mm_token_type_ids=(full == image).long(),
+        ).logits[:, ids.shape[1] - 1 : -1]
+    want = token_logprobs(logits, completion_ids, 0.9)
+    for logps in (sampled[True][3], sampled[False][3]):
+        torch.testing.assert_close(logps * kept, want * kept, atol=1e-5, rtol=1e-5)

@@ -74,7 +74,9 @@ ROW_WISE_PROCESSORS = frozenset(
 ROW_WISE_CRITERIA = frozenset(
     {"MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria", "StopStringCriteria"}
 )
-# Model inputs of shape (rows, length) that `generate` carries from step to step.
+# Model inputs of shape (rows, length) that `generate` carries from step to step; position ids
+# may also be (axes, rows, length): Qwen2-VL and kin compute them once, from each row's rotary
+# offset (`rope_deltas`, kept on the model), and carry them from step to step like the others.
 ROW_INPUTS = ("attention_mask", "token_type_ids", "mm_token_type_ids", "position_ids")
 NOT_ROW_INPUTS = frozenset({"cache", "past_key_values", "use_cache", "cache_position"})
 
@@ -102,9 +104,9 @@ def generate(model, generation_config, compact: bool = True, **inputs):
 
 
 def can_compact(model) -> bool:
-    """Whether `compacting_sample` may run for this model: a decoder-only model without
-    per-batch rotary state, whose ranks do not have to run forward passes in step
-    (`generate`'s `synced_gpus` under ZeRO-3 or FSDP, which a shrinking batch would break)."""
+    """Whether `compacting_sample` may run for this model: a decoder-only model whose ranks do
+    not have to run forward passes in step (`generate`'s `synced_gpus` under ZeRO-3 or FSDP,
+    which a shrinking batch would break)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
@@ -119,10 +121,7 @@ def can_compact(model) -> bool:
     inner = transformers_model(model)
     if inner is None or not _has_generate_internals(inner):
         return False
-    if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
-        return False
-    # Qwen2-VL-style models keep the prompts' rotary offsets per row on the model itself.
-    return all(getattr(module, "rope_deltas", None) is None for module in model.modules())
+    return not (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 def _has_generate_internals(model) -> bool:
@@ -286,11 +285,20 @@ def _row_wise(logits_processor, stopping_criteria, model_kwargs: dict) -> bool:
     for key, value in model_kwargs.items():
         if key in NOT_ROW_INPUTS or not isinstance(value, torch.Tensor):
             continue
-        if key not in ROW_INPUTS or value.dim() != 2:
+        if _row_axis(key, value) is None:
             return False
     return all(
         type(processor).__name__ in ROW_WISE_PROCESSORS for processor in logits_processor
     ) and all(type(criterion).__name__ in ROW_WISE_CRITERIA for criterion in stopping_criteria)
+
+
+def _row_axis(key: str, value: torch.Tensor) -> int | None:
+    """The axis of the rows of a model input `generate` carries, None where it has none known."""
+    if key in ROW_INPUTS and value.dim() == 2:
+        return 0
+    if key == "position_ids" and value.dim() == 3:  # (axes, rows, length)
+        return 1
+    return None
 
 
 def _select_rows(model_kwargs: dict, logits_processor, keep: torch.Tensor) -> None:
@@ -299,7 +307,8 @@ def _select_rows(model_kwargs: dict, logits_processor, keep: torch.Tensor) -> No
     select_rows(model_kwargs["cache"], keep)
     for key in ROW_INPUTS:
         if model_kwargs.get(key) is not None:
-            model_kwargs[key] = model_kwargs[key][keep]
+            value = model_kwargs[key]
+            model_kwargs[key] = value.index_select(_row_axis(key, value), keep.to(value.device))
     for processor in logits_processor:
         ignored = getattr(processor, "prompt_ignore_length", None)
         if isinstance(ignored, torch.Tensor):

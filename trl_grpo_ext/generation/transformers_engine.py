@@ -49,8 +49,8 @@ def generate_with_transformers(
     tokens are the same as with every row running to the end, for the same seed, each drawn
     from the distribution `generate` draws from (one uniform number per row and step). Where
     dropping rows would not be exact (an unknown logits processor, a cache whose rows cannot be
-    selected), every row runs to the end; where the loop cannot run (ZeRO-3, FSDP, per-row
-    rotary state, transformers before 5.24), `generate` itself samples.
+    selected), every row runs to the end; where the loop cannot run (ZeRO-3, FSDP,
+    transformers before 5.24), `generate` itself samples.
 
     With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
     policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
