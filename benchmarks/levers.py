@@ -14,9 +14,9 @@ four ways, `--repeats` times in rotation, each repeat with its own seed shared b
 * every row to the end;
 * the KV cache grown by one concatenation per step (transformers' `DynamicLayer`).
 
-In bfloat16 or float16 our engine samples unmerged (the merge's rounding is not shown to be
-small enough there); this benchmark merges anyway, to measure both the time and how far the
-sampled tokens' log-probs move (the exactness the merge would need).
+In bfloat16 or float16 our engine samples unmerged (the merge's rounding moves the log-probs
+more than bfloat16 itself does: benchmarks/merge_precision.py); this benchmark merges anyway, to
+measure both the time and how far the sampled tokens' log-probs move.
 
 Then, on the completions of one group of that batch (one micro-batch of the objective), the
 log-probs' forward and backward passes, the same rotation: a packed row attending block by

@@ -221,3 +221,16 @@ def test_levers_spread_a_random_models_lengths_with_an_eos_bias():
     # Ending with probability 0.05 per step: 19 tokens on average (at most 64); with the
     # vocabulary's 1 / 512, 60.
     assert mean < 40 and shortest < longest
+
+
+def test_merge_precision_on_the_tiny_model(capsys):
+    report = load("merge_precision").main(["--num-prompts", "2", "--group-size", "2"])
+    for rows in report.values():  # B x 1 and x 0.05
+        # float32's merge is rounding only; the adapter's effect and bfloat16's are far larger
+        assert rows["float32, merged"]["token_max"] < 1e-5
+        assert (
+            rows["float32, adapters off"]["token_mean"] > 10 * rows["float32, merged"]["token_mean"]
+        )
+        assert rows["bfloat16, unmerged"]["token_mean"] > 10 * rows["float32, merged"]["token_mean"]
+        assert -1 < rows["bfloat16, merged"]["effect_kept"] < 2
+    assert "| bfloat16, merged |" in capsys.readouterr().out
