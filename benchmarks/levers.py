@@ -14,8 +14,8 @@ four ways, `--repeats` times in rotation, each repeat with its own seed shared b
 * every row to the end;
 * the KV cache grown by one concatenation per step (transformers' `DynamicLayer`).
 
-In bfloat16 or float16 our engine samples unmerged (the merge's rounding moves the log-probs
-more than bfloat16 itself does: benchmarks/merge_precision.py); this benchmark merges anyway, to
+In bfloat16 or float16 our engine samples unmerged (the merge moves the log-probs about as
+much again as bfloat16 itself does: benchmarks/merge_precision.py); this benchmark merges anyway, to
 measure both the time and how far the sampled tokens' log-probs move.
 
 Then, on the completions of one group of that batch (one micro-batch of the objective), the

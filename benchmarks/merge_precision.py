@@ -7,7 +7,7 @@ Our engine samples with the adapters merged into the base weights (`W + s B A`) 
 unmerged in bfloat16 or float16, where rounding the merged weight to the half-precision grid
 could lose an update smaller than its spacing. This measures that choice: completions sampled
 from the float32 policy (`--num-prompts` x `--group-size`, at most `--max-tokens` tokens), then
-their tokens' log-probs by one forward pass of whole rows under
+their tokens' log-probs as the trainer computes them (`logprobs.completion_logprobs`) under
 
 * float32, adapters off: how much the adapter changes the policy (its effect);
 * float32, merged: the float32 merge (rounding only);
@@ -89,23 +89,11 @@ def _measure(model_dir: str, args, scale: float) -> dict:
     from trl_grpo_ext.generation import merged_adapters
     from trl_grpo_ext.generation.rollout import completion_mask_from_ids
     from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
-    from trl_grpo_ext.logprobs import token_logprobs
+    from trl_grpo_ext.logprobs import completion_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     half = getattr(torch, args.dtype)
     merge_any = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", (torch.float32, half))
-
-    def logps(model, merge: bool = False, adapter: bool = True):
-        with contextlib.ExitStack() as stack, torch.no_grad():
-            if merge:
-                stack.enter_context(merge_any)
-                assert stack.enter_context(merged_adapters.merged_lora(model))
-            if not adapter:
-                stack.enter_context(model.disable_adapter())
-            logits = model(input_ids=ids, attention_mask=attention_mask).logits
-        logits = logits[:, prompt_ids.shape[1] - 1 : -1].float()
-        return token_logprobs(logits, completion_ids, 1.0)  # (N, T)
-
     model = _lora_model(model_dir, args.adapter, torch.float32, scale)
     prompt_ids, prompt_mask, config, eos = _common.sampling_inputs(
         model, tokenizer, args.num_prompts, args.group_size, args.max_tokens
@@ -117,6 +105,17 @@ def _measure(model_dir: str, args, scale: float) -> dict:
     mask, _ = completion_mask_from_ids(completion_ids, eos)
     ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], 1)
+
+    def logps(model, merge: bool = False, adapter: bool = True):
+        """The completion tokens' log-probs `(N, T)`, as the trainer computes them."""
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            if merge:
+                stack.enter_context(merge_any)
+                assert stack.enter_context(merged_adapters.merged_lora(model))
+            if not adapter:
+                stack.enter_context(model.disable_adapter())
+            return completion_logprobs(model, ids, attention_mask, completion_ids).float()
+
     policy = logps(model)
     rows = {"float32, adapters off": logps(model, adapter=False)}
     rows["float32, merged"] = logps(model, merge=True)

@@ -14,8 +14,8 @@ are, saying why once:
   last place, about 6e-8 relative, far below the update an optimizer step makes; sampled tokens
   and their log-probs match the unmerged adapters (tests/test_merged_adapters.py). In bfloat16
   or float16 that rounding (up to 2e-3 or 2.5e-4 of each weight) is as large as an adapter's
-  update early in training: on SmolLM2 in bfloat16 the merge moved the sampled tokens'
-  log-probs half as much again as bfloat16 itself does, and kept less of an early adapter's
+  update early in training: on SmolLM2 in bfloat16 the merge nearly doubled how far the
+  sampled tokens' log-probs move from the float32 policy, and kept less of an early adapter's
   update (benchmarks/merge_precision.py, docs/benchmarks.md), so the adapters stay unmerged
   there.
 - not quantized: a 4-bit or 8-bit base layer cannot hold `W + s B A` (QLoRA samples unmerged);
