@@ -29,10 +29,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,18 +66,39 @@ DEFAULTS = {
 @contextlib.contextmanager
 def work_folder(output_dir: str | None, prefix: str):
     """`output_dir` when the user names one; else a temporary folder, removed when the block
-    ends. After an error it stays, named on stderr, for the runs' logs that say why."""
+    ends. After an error, Ctrl-C or a SIGTERM (`timeout`, a job scheduler) it stays, named on
+    stderr, for the runs' logs that say why: SIGTERM raises `SystemExit` inside the block, so
+    a running trainer subprocess is killed (`subprocess.run` does) and nothing is left unnamed."""
     if output_dir:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         yield Path(output_dir)
         return
     folder = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield folder
-    except BaseException:
-        print(f"The runs' logs are kept in {folder}", file=sys.stderr)
-        raise
+    with _sigterm_raises():
+        try:
+            yield folder
+        except BaseException:
+            print(f"The runs' logs are kept in {folder}", file=sys.stderr)
+            raise
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises `SystemExit(143)` in the main thread while the block runs (Python's
+    default ends the process without unwinding, so no `finally` or `except` would run)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ------------------------------------------------------------------------------ models

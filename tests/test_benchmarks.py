@@ -1,8 +1,13 @@
 """The benchmark scripts against trl.GRPOTrainer run end to end on a tiny shape, on CPU."""
 
+import contextlib
 import importlib
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +59,46 @@ def test_a_failed_run_keeps_its_logs(tmp_path, capsys, monkeypatch):
     with common.work_folder(str(tmp_path / "mine"), "bench-") as chosen:
         pass
     assert chosen == tmp_path / "mine" and chosen.is_dir()  # the user's folder stays
+
+
+KILLED_RUN = """
+import subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import _common
+with _common.work_folder(None, "bench-") as folder:
+    (folder / "stderr.log").write_text("step 1")
+    pid_file = folder / "trainer.pid"
+    trainer = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    subprocess.run([sys.executable, "-c", trainer, str(pid_file)])
+"""
+
+
+def test_a_terminated_run_keeps_its_logs_and_says_where(tmp_path):
+    # `timeout` or a job scheduler ends a benchmark with SIGTERM: its temporary folder stays,
+    # named on stderr, rather than lying unnamed in the temp folder; the trainer subprocess it
+    # waits for is killed with it.
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", KILLED_RUN, str(BENCHMARKS)], env=env, stderr=stderr
+        )
+    deadline = time.monotonic() + 60
+    while not any(f.read_text() for f in tmp_path.glob("tmp/bench-*/trainer.pid")):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.1)
+    (folder,) = tmp_path.glob("tmp/bench-*")
+    trainer = int((folder / "trainer.pid").read_text())
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        assert f"logs are kept in {folder}" in (tmp_path / "stderr").read_text()
+        assert (folder / "stderr.log").read_text() == "step 1"
+        with pytest.raises(ProcessLookupError):  # killed and reaped by subprocess.run
+            os.kill(trainer, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(trainer, signal.SIGKILL)
 
 
 def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
