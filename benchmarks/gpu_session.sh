@@ -12,8 +12,9 @@
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
 # On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT, LEVERS_TIMEOUT and PRESETS
-# override the defaults; SMOKE_ARGS adds arguments to every smoke run. docs/benchmarks.md, "A GPU
-# session".
+# override the defaults; SMOKE_ARGS adds arguments to every smoke run. DRY_RUN=1 writes each
+# step's command to $OUT/commands.sh instead of running it (tests/test_gpu_presets.py parses
+# them). docs/benchmarks.md, "A GPU session".
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.cache/gpu_wheels}
@@ -59,6 +60,9 @@ PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
 # problems, everything else (bf16, LoRA, gradient checkpointing, batch shapes) as they have it.
 SWAPS="--model_name_or_path tiny --tiny_warmup_max_steps 20 --dataset_name synthetic
 --eval_dataset_name synthetic --num_train_samples 256 --num_eval_samples 8"
+# The vision-language presets (recipes/vlm_math.py): the tiny VLM and its color task.
+VLM_SWAPS="--model_name_or_path tiny_vlm --tiny_warmup_steps 20 --dataset_name tiny_colors
+--dataset_test_split test --num_train_samples 256 --num_eval_samples 8"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 echo "step,exit_code,seconds" > "$OUT/summary.csv"
@@ -80,6 +84,11 @@ step() {
         return 1
     fi
     [ "$limit" -gt "$left" ] && limit=$left
+    if [ -n "${DRY_RUN:-}" ]; then
+        printf '%q ' "$@" >> "$OUT/commands.sh" && echo >> "$OUT/commands.sh"
+        echo "$name,dry-run,0" >> "$OUT/summary.csv"
+        return 0
+    fi
     log "start $name (at most $limit s)"
     local begin=$(date +%s)
     echo "$*" > "$OUT/$name.log"
@@ -120,15 +129,19 @@ step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON i
 $PYTHON -m pip list > "$OUT/pip_list.txt" 2>&1
 has() { $PYTHON -c "import $1" 2>/dev/null; }
 
-# 2. Each GPU preset for 2 steps on one GPU; held-out evaluation of 8 problems before and after.
+# 2. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
+# evaluation of 8 problems before and after, and once in between.
 for preset in $PRESETS; do
     name=$(basename "$preset" .yaml)
-    extra=""
-    grep -q "^use_vllm: true" "$preset" && ! has vllm && extra="--use_vllm false"
-    step "smoke-$name" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 recipes/math.py \
-        --config "$preset" $SWAPS --max_steps 2 --logging_steps 1 --eval_num_samples 0 \
-        --eval_every_steps 1 --save_strategy no --output_dir "$OUT/runs/$name" $extra \
-        ${SMOKE_ARGS:-}
+    if head -1 "$preset" | grep -q "recipes/vlm_math.py"; then
+        recipe="recipes/vlm_math.py $VLM_SWAPS --eval_strategy steps --eval_steps 1"
+    else
+        recipe="recipes/math.py $SWAPS --eval_num_samples 0 --eval_every_steps 1"
+        grep -q "^use_vllm: true" "$preset" && ! has vllm && recipe+=" --use_vllm false"
+    fi
+    step "smoke-$name" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 \
+        $recipe --config "$preset" --max_steps 2 --logging_steps 1 --save_strategy no \
+        --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 done
 
 # 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.

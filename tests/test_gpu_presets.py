@@ -9,6 +9,8 @@ import glob
 import math
 import os
 import re
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -173,3 +175,41 @@ def test_a_preset_leaves_ddp_its_unused_parameter_search_off(path):
     Trainer's default for a PEFT model) would traverse the graph each step for nothing."""
     _, training_args, _ = parser(recipe_of(path)).parse_args_and_config(["--config", path])
     assert training_args.ddp_find_unused_parameters is False
+
+
+def test_the_gpu_session_runs_each_preset_with_the_recipe_its_first_line_names(tmp_path):
+    """benchmarks/gpu_session.sh (a GPU session in one command) launches every GPU preset for
+    two steps. A preset that its recipe's parser refuses there costs a GPU session's minutes:
+    each smoke command of a dry run parses here with the recipe it launches, and the swaps
+    leave the preset's training settings (bf16, LoRA, gradient checkpointing) as they were."""
+    out = tmp_path / "session"
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    launched = {}
+    for line in (out / "commands.sh").read_text().splitlines():
+        if " recipes/" not in line:  # the install, the benchmarks
+            continue
+        words = shlex.split(line)
+        scripts = [word for word in words if re.fullmatch(r"recipes/\w+\.py", word)]
+        if not scripts or "--config_file" in words:  # the sharded runs: the text recipe only
+            continue
+        argv = words[words.index(scripts[0]) + 1 :]
+        preset = os.path.join(ROOT, argv[argv.index("--config") + 1])
+        module = recipe_of(preset)
+        assert scripts[0] == f"recipes/{os.path.basename(module.__file__)}", preset
+        script_args, training_args, model_args = parser(module).parse_args_and_config(argv)
+        _, expected, expected_model = parser(module).parse_args_and_config(["--config", preset])
+        assert training_args.max_steps == 2
+        assert model_args.model_name_or_path in ("tiny", "tiny_vlm")
+        for name in ("bf16", "gradient_checkpointing", "num_generations", "learning_rate"):
+            assert getattr(training_args, name) == getattr(expected, name), (preset, name)
+        assert (
+            model_args.use_peft == expected_model.use_peft
+            and model_args.lora_r == expected_model.lora_r
+        )
+        launched[os.path.basename(preset)] = module
+    assert sorted(launched) == sorted(os.path.basename(path) for path in GPU_PRESETS)
