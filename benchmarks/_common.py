@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -206,6 +207,24 @@ def random_model_dir(shape: dict, dtype: str = "bfloat16") -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def bias_end_of_sequence(model, eos_token_id: int, rate: float) -> None:
+    """Gives a random model's output head a bias that makes `eos_token_id` about `rate` likely
+    per step: such a model's logits are nearly uniform over V words, and a bias b on one word
+    makes it e^b / (V - 1 + e^b) likely. Completion lengths then spread (geometric, mean about
+    1 / rate) as a trained model's do, and both trainers sample from the same distribution."""
+    import torch
+
+    head, vocab = model.lm_head, model.config.vocab_size
+    biased = torch.nn.Linear(
+        head.in_features, vocab, bias=True, dtype=head.weight.dtype, device=head.weight.device
+    )
+    biased.weight = head.weight  # tied to the embeddings, as before
+    with torch.no_grad():
+        biased.bias.zero_()
+        biased.bias[eos_token_id] = math.log(rate * (vocab - 1) / (1 - rate))
+    model.lm_head = biased
 
 
 # ------------------------------------------------------------------------- prompts, reward
@@ -421,8 +440,15 @@ def _build_trainer(spec: dict, dataset, timer):
 
         args = GRPOConfig(**common)
         trainer_class = GRPOTrainer
+    model = spec["model_dir"]
+    if spec.get("eos_rate"):  # the same biased model object for both trainers
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, spec["dtype"]))
+        bias_end_of_sequence(model, tokenizer.eos_token_id, spec["eos_rate"])
+        args.model_init_kwargs = None
     return trainer_class(
-        model=spec["model_dir"],
+        model=model,
         reward_funcs=REWARDS[spec.get("reward", "shaped")],
         args=args,
         train_dataset=dataset,

@@ -5,6 +5,7 @@
     python benchmarks/gpu.py --engine vllm        # both trainers generate with vLLM colocated
     python benchmarks/gpu.py --device cpu --dtype float32 --num-prompts 1 --prompt-tokens 128 \
         --fixed-lengths --rounds 1 --steps 1    # the same shape on CPU (docs/benchmarks.md)
+    python benchmarks/gpu.py ... --eos-rate 0.008   # lengths spread, the same way in both trainers
 
 A randomly initialised Qwen2 model with the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14
 heads, 2 key/value heads, intermediate 4864, vocabulary 151936) in bf16, LoRA r=16 on all linear
@@ -85,6 +86,13 @@ def main(argv=None) -> dict:
         action="store_true",
         help="every completion max-completion-length tokens (min_new_tokens, in both trainers)",
     )
+    parser.add_argument(
+        "--eos-rate",
+        type=float,
+        default=None,
+        help="the end-of-sequence token about this likely per step (a bias on the random "
+        "model's head, the same in both trainers): lengths spread as a trained model's do",
+    )
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
@@ -121,6 +129,7 @@ def main(argv=None) -> dict:
         "system_prompt": True,
         "prompt_tokens": args.prompt_tokens,
         "fixed_lengths": args.fixed_lengths,
+        "eos_rate": args.eos_rate,
     }
     if args.engine == "vllm":
         vllm = {

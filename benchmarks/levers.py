@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import statistics
 import sys
 import time
@@ -111,17 +110,7 @@ def _lora_model(model_dir: str, args):
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     if args.model in RANDOM:
-        # Uniform-ish logits over V words: a bias b on the end-of-sequence token makes it
-        # e^b / (V - 1 + e^b) likely per step.
-        head, vocab = model.lm_head, model.config.vocab_size
-        biased = torch.nn.Linear(head.in_features, vocab, bias=True, dtype=dtype)
-        biased.weight = head.weight  # tied to the embeddings as before
-        with torch.no_grad():
-            biased.bias.zero_()
-            biased.bias[tokenizer.eos_token_id] = math.log(
-                args.eos_rate * (vocab - 1) / (1 - args.eos_rate)
-            )
-        model.lm_head = biased
+        _common.bias_end_of_sequence(model, tokenizer.eos_token_id, args.eos_rate)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     model = get_peft_model(model, lora).to(args.device)
     generator = torch.Generator().manual_seed(0)

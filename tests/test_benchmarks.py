@@ -112,6 +112,40 @@ def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
     assert (tmp_path / "gpu.json").exists()
 
 
+def test_gpu_script_spreads_lengths_alike_in_both_trainers(tmp_path):
+    # --eos-rate: the same biased model object in both trainers, so both sample lengths from
+    # one distribution (geometric, mean about 1 / rate) instead of running to the cap.
+    gpu = load("gpu")
+    run = [*TINY_RUN, "--max-completion-length", "32"]  # the last value counts
+    report = gpu.main(
+        ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--in-process", *run]
+        + ["--eos-rate", "0.2", "--output-dir", str(tmp_path)]
+    )
+    for trainer in ("ours", "trl"):
+        (records,) = report["results"][trainer]
+        # 8 completions of 5 tokens on average (at most 32): far under the cap's 256
+        assert all(8 <= tokens <= 128 for tokens in records["tokens"]), (trainer, records)
+
+
+def test_an_eos_bias_makes_the_token_as_likely_as_asked():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    common, gpu = load("_common"), load("gpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        common.random_model_dir(gpu.SHAPES["tiny"], "float32")
+    )
+    common.bias_end_of_sequence(model, eos_token_id=3, rate=0.1)
+    tokens = torch.randint(
+        0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        probs = model(tokens).logits.softmax(-1)
+    assert 0.07 < probs[..., 3].mean() < 0.14  # nearly uniform logits: e^b / (V - 1 + e^b)
+    assert probs[..., 4].mean() < 0.01  # the other words share the rest
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+
+
 def test_shape_argument():
     gpu = load("gpu")
     assert gpu.parse_shape("qwen2.5-0.5b")["vocab"] == 151936
