@@ -1,6 +1,9 @@
 """The local process engine (`generation.process_worker`): `transformers` generation in a process
 of its own, behind the same engine interface as vLLM, against the same sampling in this process."""
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -112,10 +115,35 @@ def test_a_dead_process_is_an_error_not_a_hang(setup):
         engine.generate(*prompts, config, seed=1)
 
 
-def test_close_stops_the_process(setup):
-    engine = setup[3]
+def feeder_threads() -> set:
+    """The threads that feed a `multiprocessing` queue's pipe, one per queue put to."""
+    return {thread for thread in threading.enumerate() if thread.name == "QueueFeederThread"}
+
+
+def test_close_stops_the_process_and_leaves_no_thread_or_pipe(setup):
+    # The queues' feeder thread and pipes stay with the trainer's process until it ends unless
+    # they are closed: one of each per asynchronous training run, in a notebook or a sweep.
+    model, config, prompts, engine = setup
+    before = feeder_threads()
+    engine.load_weights({})
+    engine.generate(*prompts, config, seed=1)
+    assert feeder_threads() - before  # the requests' feeder, started by the first put
+    fds = len(os.listdir("/proc/self/fd"))
     engine.close()
     assert not engine._process.is_alive()
+    assert not feeder_threads() - before
+    assert len(os.listdir("/proc/self/fd")) <= fds - 2  # the parent's ends of both pipes
+    engine.close()  # twice is harmless (the fixture closes it again)
+
+
+def test_closing_after_the_process_died_does_not_wait_on_it(setup):
+    _, config, prompts, engine = setup
+    before = feeder_threads()
+    engine._process.kill()
+    engine._process.join(timeout=10)
+    engine.load_weights({"never": torch.zeros(3)})  # put, never read
+    engine.close()
+    assert not feeder_threads() - before
 
 
 SEVERAL_THREADS = """

@@ -128,7 +128,8 @@ class ProcessEngine(OwnWeights):
         return payload
 
     def close(self) -> None:
-        """Stops the process, and gives the trainer back the CPU threads it had."""
+        """Stops the process, closes the queues' pipes and ends the thread that feeds the
+        requests' pipe, and gives the trainer back the CPU threads it had."""
         self.close_publisher()
         if self._threads_before:
             torch.set_num_threads(self._threads_before)
@@ -138,6 +139,14 @@ class ProcessEngine(OwnWeights):
             self._process.join(timeout=10)
             if self._process.is_alive():
                 self._process.terminate()
+                self._process.join(timeout=10)
+        for channel in (self._requests, self._results):
+            # With the process gone, nothing reads the pipe: what is left to write fails at
+            # once and the feeder ends. One that outlived SIGTERM might hold it: not waited on.
+            if self._process.is_alive():
+                channel.cancel_join_thread()
+            channel.close()
+            channel.join_thread()
 
 
 class ParameterPublisher:
