@@ -42,6 +42,7 @@ def make_trainer(
     model=None,
     tokenizer=None,
     trainer_class=GroupRelativeTrainer,
+    eval_dataset=None,
     **config,
 ):
     """A trainer on the tiny model with fast defaults; `config` overrides GroupRelativeConfig,
@@ -72,6 +73,7 @@ def make_trainer(
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=digit_sums() if dataset is None and not agent else dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=(peft_config or lora_config()) if peft and model is not None else None,
         **agent,

@@ -1,0 +1,241 @@
+"""The settings a user combines, walked as a matrix: every pair of values of the generation
+path's settings (how rollouts are made, asynchronous rollouts, the generation batch, iterations,
+the reference model, dynamic sampling, evaluation during training, LoRA or not) meets in at least
+one cell, and each cell trains two steps on a tiny model under a deadline. A cell passes when
+the run ends, with finite losses, rewards logged at each step, evaluation metrics where asked,
+the base weights frozen under LoRA, and no thread left running; a hang fails it at the
+deadline with the stack of every thread."""
+
+import copy
+import faulthandler
+import itertools
+import math
+import random
+import signal
+import threading
+
+import pytest
+import torch
+from agent_helpers import TOOL_PROMPT, add, needs_trl_1_16, one_thread, tool_calling_model
+from datasets import Dataset
+from trainer_helpers import make_trainer
+
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+DIMENSIONS = {
+    # plain prompts; chat messages; chat with a tool the model calls; TRL's rollout_func
+    "rollouts": ["plain", "chat", "tools", "rollout_func"],
+    "max_staleness": [None, 1],  # synchronous, or a worker sampling one step ahead
+    # one micro-batch per step; two accumulated; a generation batch buffered over two steps
+    "batching": ["one", "accumulate", "buffer"],
+    "num_iterations": [1, 2],
+    "beta": [0.0, 0.04],
+    "dynamic_sampling": [False, True],
+    "evaluate": [False, True],
+    "peft": [True, False],
+}
+BATCHING = {
+    "one": {"per_device_train_batch_size": 8},
+    "accumulate": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+    "buffer": {"per_device_train_batch_size": 4, "steps_per_generation": 2},
+}
+DEADLINE_SECONDS = 120
+
+
+def refusal(cell: dict) -> str | None:
+    """What the configuration says of a cell it refuses (a pattern of its message), or None."""
+    if cell["max_staleness"] is not None and cell["num_iterations"] != 1:
+        return r"Asynchronous rollouts \(max_staleness\) need .* set num_iterations=1"
+    if cell["max_staleness"] is not None and cell["rollouts"] == "rollout_func":
+        return r"rollout_func samples in the training process: unset max_staleness"
+    if cell["max_staleness"] is not None and cell["batching"] == "buffer":
+        return r"Asynchronous rollouts \(max_staleness\) need .* leave steps_per_generation"
+    return None
+
+
+def pairs(cell: dict) -> set:
+    return {((a, cell[a]), (b, cell[b])) for a, b in itertools.combinations(cell, 2)}
+
+
+def pairwise(dimensions: dict) -> list[dict]:
+    """Cells the configuration accepts in which every pair of values of two dimensions that
+    some accepted cell has occurs at least once: greedily, the accepted cell that covers the
+    most pairs not yet covered, until none is left."""
+    every = [dict(zip(dimensions, values)) for values in itertools.product(*dimensions.values())]
+    accepted = [cell for cell in every if refusal(cell) is None]
+    uncovered = set().union(*map(pairs, accepted))
+    cells = []
+    while uncovered:
+        best = max(accepted, key=lambda cell: len(pairs(cell) & uncovered))
+        uncovered -= pairs(best)
+        cells.append(best)
+    return cells
+
+
+CELLS = pairwise(DIMENSIONS)
+
+
+def cell_id(cell: dict) -> str:
+    return "-".join(f"{name}={value}" for name, value in cell.items())
+
+
+def test_the_cells_cover_every_pair_of_settings_but_those_refused():
+    covered = set().union(*map(pairs, CELLS))
+    every = [dict(zip(DIMENSIONS, values)) for values in itertools.product(*DIMENSIONS.values())]
+    missing = set().union(*map(pairs, every)) - covered
+    assert missing == {
+        (("rollouts", "rollout_func"), ("max_staleness", 1)),
+        (("max_staleness", 1), ("batching", "buffer")),
+        (("max_staleness", 1), ("num_iterations", 2)),
+    }
+    assert len(CELLS) < 30  # of the 768 cells of the full product
+
+
+@pytest.mark.parametrize(
+    "changes", [{"num_iterations": 2}, {"batching": "buffer"}, {"rollouts": "rollout_func"}]
+)
+def test_a_refused_cell_says_what_to_change(changes, tmp_path):
+    accepted = {"max_staleness": 1, "num_iterations": 1, "batching": "one", "rollouts": "plain"}
+    cell = {**CELLS[0], **accepted, **changes}
+    with pytest.raises(ValueError, match=refusal(cell)):
+        build(cell, tmp_path, tool_model=None)
+
+
+@pytest.fixture(scope="module")
+def tool_model():
+    return tool_calling_model()
+
+
+def text(completion) -> str:
+    """A completion's text: itself, or its messages' contents (conversational prompts)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content") or "") for message in completion)
+
+
+def odd_first_character(completions, **kwargs):
+    """1.0 when the completion's first character has an odd code point."""
+    return [float(ord(text(c)[0]) % 2) if text(c) else 0.0 for c in completions]
+
+
+def varied_length(completions, **kwargs):
+    """A reward that differs within a group: the completion's length in characters, mod 3."""
+    return [float(len(text(completion)) % 3) for completion in completions]
+
+
+def random_rollouts(prompts, trainer):
+    """TRL's rollout_func contract: token ids sampled outside the trainer (random here, of
+    random lengths, ending with eos), no log-probs, and a field the reward reads."""
+    rng = random.Random(len(trainer.state.log_history) + 7 * trainer.state.global_step)
+    eos = trainer.processing_class.eos_token_id
+    completions = [
+        [rng.randrange(10, 200) for _ in range(rng.randrange(1, 4))] + [eos] for _ in prompts
+    ]
+    return {
+        "prompt_ids": [[5, 6, 7]] * len(prompts),
+        "completion_ids": completions,
+        "logprobs": None,
+        "score": [float(rng.random() < 0.5) for _ in prompts],
+    }
+
+
+def from_score(completions, score, **kwargs):
+    return score
+
+
+def build(cell: dict, output_dir, tool_model):
+    config = dict(
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        max_staleness=cell["max_staleness"],
+        num_iterations=cell["num_iterations"],
+        beta=cell["beta"],
+        dynamic_sampling=cell["dynamic_sampling"],
+        max_resample_rounds=1,
+        **BATCHING[cell["batching"]],
+    )
+    kind = cell["rollouts"]
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    model = tokenizer = None
+    rewards = [odd_first_character, varied_length]
+    if kind == "chat":
+        rows = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
+    elif kind == "tools":
+        model, tokenizer = (copy.deepcopy(part) for part in tool_model)
+        rows = [{"prompt": TOOL_PROMPT}] * 4
+        rewards = [varied_length]
+        config.update(tools=[add], max_completion_length=96, max_prompt_length=None)
+    elif kind == "rollout_func":
+        rewards = [from_score]
+        config.update(rollout_func=random_rollouts)
+    if model is None:
+        model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    if cell["evaluate"]:
+        config.update(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
+    dataset = Dataset.from_list(rows)
+    trainer = make_trainer(
+        output_dir,
+        model=model,
+        tokenizer=tokenizer,
+        reward_funcs=rewards,
+        dataset=dataset,
+        peft=cell["peft"],
+        eval_dataset=dataset if cell["evaluate"] else None,
+        **config,
+    )
+    return trainer
+
+
+class Deadline:
+    """Raises `TimeoutError` in the main thread after `seconds`, having written every thread's
+    stack to stderr: a hang fails the cell, and says where it hung."""
+
+    def __init__(self, seconds: int):
+        self.seconds = seconds
+
+    def __enter__(self):
+        def expire(signum, frame):
+            faulthandler.dump_traceback(all_threads=True)
+            raise TimeoutError(f"the cell ran past its {self.seconds} s deadline")
+
+        self.previous = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(self.seconds)
+
+    def __exit__(self, *exc):
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+@needs_trl_1_16
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
+    threads_before = set(threading.enumerate())
+    with one_thread(), Deadline(DEADLINE_SECONDS):
+        trainer = build(cell, tmp_path, tool_model)
+        base = {
+            name: parameter.detach().clone()
+            for name, parameter in trainer.model.named_parameters()
+            if not parameter.requires_grad
+        }
+        trainer.train()
+
+    assert trainer.state.global_step == 2
+    logs = trainer.state.log_history
+    steps = [entry for entry in logs if "loss" in entry and "eval_loss" not in entry]
+    assert len(steps) == 2 and all(math.isfinite(entry["loss"]) for entry in steps)
+    # Rewards are logged at the steps that sampled (as TRL does): the first step always does;
+    # a buffered generation batch or a second iteration trains on earlier samples.
+    sampled = [entry for entry in steps if "reward" in entry]
+    assert steps[0] in sampled and all("completions/mean_length" in entry for entry in sampled)
+    evaluations = [entry for entry in logs if "eval_reward" in entry]
+    assert len(evaluations) == (2 if cell["evaluate"] else 0)
+    if cell["peft"]:
+        assert base, "LoRA left no frozen base weights"
+        frozen = dict(trainer.model.named_parameters())
+        assert all(torch.equal(frozen[name], value) for name, value in base.items())
+    left = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    # The standard library's one server of file descriptors passed between processes (torch
+    # shares tensors with the rollout worker that way) stays for the life of the process.
+    left = [t for t in left if not t.name.endswith("(_serve)")]
+    assert not left, f"threads still running after train(): {left}"
