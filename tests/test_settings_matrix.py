@@ -41,6 +41,15 @@ DIMENSIONS = {
     "log_completions": [False, True],
     "loss_type": ["dapo", "grpo"],
     "scale_rewards": ["group", "batch"],
+    # temperature 1 unfiltered; top-k and top-p; a stop string; a static KV cache
+    "sampling": ["plain", "filtered", "stop", "static_cache"],
+    "importance_sampling_level": ["token", "sequence"],
+}
+SAMPLING = {
+    "plain": {},
+    "filtered": {"temperature": 0.8, "top_k": 20, "top_p": 0.9},
+    "stop": {"generation_kwargs": {"stop": ["1"]}},  # TRL's (vLLM's) name
+    "static_cache": {"cache_implementation": "static"},
 }
 BATCHING = {
     "one": {"per_device_train_batch_size": 8},
@@ -111,7 +120,7 @@ def test_the_cells_cover_every_pair_of_settings_but_those_refused():
         for x, y in itertools.product(DIMENSIONS[a], DIMENSIONS[b]):
             assert (((a, x), (b, y)) in covered) != (((a, x), (b, y)) in REFUSED), (a, x, b, y)
     assert all(refusal(cell) is None for cell in CELLS)
-    assert len(CELLS) < 30  # of the 61,440 cells of the full product
+    assert len(CELLS) < 30  # of the 491,520 cells of the full product
 
 
 @pytest.mark.parametrize("refused", list(REFUSED), ids=repr)
@@ -201,7 +210,9 @@ def build(cell: dict, output_dir, tool_model):
         log_completions=cell["log_completions"],
         loss_type=cell["loss_type"],
         scale_rewards=cell["scale_rewards"],
+        importance_sampling_level=cell["importance_sampling_level"],
         **BATCHING[cell["batching"]],
+        **SAMPLING[cell["sampling"]],
     )
     kind = cell["rollouts"]
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
