@@ -2,7 +2,7 @@
 generation path and around it (how rollouts are made, asynchronous rollouts, the generation
 batch, iterations, the reference model, dynamic sampling, evaluation during training, LoRA,
 gradient checkpointing, truncated completions, logged completions, the loss and the rewards'
-scaling) meets in at least one cell, and each cell trains two steps on a tiny model under a
+scaling, sampling settings, importance sampling's level) meets in at least one cell, and each cell trains two steps on a tiny model under a
 deadline. A cell passes when the run ends, with finite losses, rewards logged at the steps that
 sampled, evaluation metrics where asked, the base weights frozen under LoRA, and no thread left
 running; a hang fails it at the deadline with the stack of every thread. The combinations the
@@ -20,14 +20,17 @@ import pytest
 import torch
 from agent_helpers import TOOL_PROMPT, add, needs_trl_1_16, one_thread, tool_calling_model
 from datasets import Dataset
+from PIL import Image
 from trainer_helpers import make_trainer
 
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+from trl_grpo_ext.tiny_vlm import tiny_vlm_and_processor
+from trl_grpo_ext.tiny_vlm_task import COLORS
 
 DIMENSIONS = {
     # plain prompts; chat messages; chat with a tool the model calls; an environment's tool;
-    # TRL's rollout_func
-    "rollouts": ["plain", "chat", "tools", "environment", "rollout_func"],
+    # TRL's rollout_func; chat messages with an image each (a vision-language model)
+    "rollouts": ["plain", "chat", "tools", "environment", "rollout_func", "images"],
     "max_staleness": [None, 1],  # synchronous, or a worker sampling one step ahead
     # one micro-batch per step; two accumulated; a generation batch buffered over two steps
     "batching": ["one", "accumulate", "buffer"],
@@ -120,7 +123,7 @@ def test_the_cells_cover_every_pair_of_settings_but_those_refused():
         for x, y in itertools.product(DIMENSIONS[a], DIMENSIONS[b]):
             assert (((a, x), (b, y)) in covered) != (((a, x), (b, y)) in REFUSED), (a, x, b, y)
     assert all(refusal(cell) is None for cell in CELLS)
-    assert len(CELLS) < 30  # of the 491,520 cells of the full product
+    assert len(CELLS) < 40  # of the 294,912 cells of the full product
 
 
 @pytest.mark.parametrize("refused", list(REFUSED), ids=repr)
@@ -226,6 +229,13 @@ def build(cell: dict, output_dir, tool_model):
         rewards = [varied_length]
         config.update(max_completion_length=96, max_prompt_length=None)
         config.update(tools=[add]) if kind == "tools" else config.update(environment_factory=Adder)
+    elif kind == "images":
+        model, tokenizer = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+        rows = [
+            {"prompt": [{"role": "user", "content": "Which color?"}], "image": image}
+            for image in (Image.new("RGB", (20, 30), color) for color in COLORS.values())
+        ] * 2
+        rewards = [odd_first_character]
     elif kind == "rollout_func":
         rewards = [from_score]
         config.update(rollout_func=random_rollouts)
