@@ -66,6 +66,7 @@ from .objective import (
     policy_loss,
 )
 from .off_policy import behaviour_correction
+from .resume_weights import load_full_weights
 from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
 from .scoring import call_reward_funcs
 
@@ -562,6 +563,27 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return metrics
 
     # ------------------------------------------------------ checkpoints, Hub
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """As `Trainer`'s, with full weights saved under converted names loaded under the
+        model's own (`resume_weights`)."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not load_full_weights(
+            model if model is not None else self.model, resume_from_checkpoint
+        ):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        """As `Trainer`'s, with full weights saved under converted names loaded under the
+        model's own (`resume_weights`)."""
+        folder = self.state.best_model_checkpoint
+        if (
+            self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not load_full_weights(self.model, folder)
+        ):
+            super()._load_best_model()
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """As `Trainer.train`; `resume_from_checkpoint=True` skips incomplete checkpoints (one
