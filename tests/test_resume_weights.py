@@ -116,3 +116,30 @@ def test_models_saved_under_their_own_names_are_left_to_the_trainer(tmp_path):
     model.save_pretrained(tmp_path)
     assert not load_full_weights(model, str(tmp_path))  # the names match: nothing to convert
     assert not load_full_weights(model, str(tmp_path / "nothing"))  # no weights there
+
+
+def test_a_mixture_of_experts_checkpoint_loads_into_fused_experts(tmp_path):
+    # Qwen3-MoE keeps its experts fused in memory and saves them one by one, as on the Hub.
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=16,
+        moe_intermediate_size=8,
+        num_experts=2,
+        num_experts_per_tok=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    trained = Qwen3MoeForCausalLM(config)
+    torch.manual_seed(1)
+    model = Qwen3MoeForCausalLM(config)
+    trained.save_pretrained(tmp_path)
+    assert not saved_weight_names(str(tmp_path)) <= set(model.state_dict())  # per expert
+    assert load_full_weights(model, str(tmp_path))
+    expected = trained.state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
