@@ -5,8 +5,10 @@ gradient checkpointing, truncated completions, logged completions, the loss and 
 scaling, sampling settings, importance sampling's level) meets in at least one cell, and each cell trains two steps on a tiny model under a
 deadline. A cell passes when the run ends, with finite losses, rewards logged at the steps that
 sampled, evaluation metrics where asked, the base weights frozen under LoRA, and no thread left
-running; a hang fails it at the deadline with the stack of every thread. The combinations the
-configuration refuses are checked for a message that says what to change."""
+running; a hang fails it at the deadline with the stack of every thread. Each cell also runs
+three steps and resumes from its first checkpoint: the same weights and metrics as the run
+straight through. The combinations the configuration refuses are checked for a message that
+says what to change."""
 
 import copy
 import faulthandler
@@ -313,3 +315,47 @@ def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
     # shares tensors with the rollout worker that way) stays for the life of the process.
     left = [t for t in left if not t.name.endswith("(_serve)")]
     assert not left, f"threads still running after train(): {left}"
+
+
+def step_logs(trainer) -> list[dict]:
+    return [e for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
+
+
+@needs_trl_1_16
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_a_cell_resumed_from_its_first_checkpoint_continues_the_same_run(
+    cell, tmp_path, tool_model
+):
+    """Three steps straight, and the same run resumed from the checkpoint of step 1: the same
+    weights and logged metrics (docs/async.md, "Resuming"). The documented exception: tools or
+    environments with asynchronous rollouts sample their batches in flight again, with a
+    warning that says so."""
+    kept = dict(max_steps=3, log_completions=False)  # the printed table is not saved
+    with one_thread(), Deadline(2 * DEADLINE_SECONDS):
+        straight = build(cell, tmp_path / "straight", tool_model)
+        straight.args.__dict__.update(kept, save_strategy="steps", save_steps=1)
+        straight.train()
+        resumed = build(cell, tmp_path / "resumed", tool_model)
+        resumed.args.__dict__.update(kept)
+        checkpoint = str(tmp_path / "straight" / "checkpoint-1")
+        if cell["rollouts"] in ("tools", "environment") and cell["max_staleness"]:
+            with pytest.warns(UserWarning, match="multi-turn batches in flight"):
+                resumed.train(resume_from_checkpoint=checkpoint)
+            return
+        resumed.train(resume_from_checkpoint=checkpoint)
+
+    assert resumed.state.global_step == 3
+    ignored = {"step_time", "train_runtime"}  # wall-clock times
+
+    def metrics(entry):
+        # NaN (a statistic of no token) as a string, so that it equals itself
+        return {
+            k: "nan" if isinstance(v, float) and math.isnan(v) else v
+            for k, v in entry.items()
+            if k not in ignored and "per_second" not in k
+        }
+
+    assert [metrics(e) for e in step_logs(resumed)] == [metrics(e) for e in step_logs(straight)]
+    weights = dict(straight.model.named_parameters())
+    for name, value in resumed.model.named_parameters():
+        assert torch.equal(value, weights[name]), name
