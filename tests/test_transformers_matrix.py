@@ -1,19 +1,20 @@
-"""The settings a user combines, walked as a matrix: every pair of values of two settings of the
-generation path and around it (how rollouts are made, asynchronous rollouts, the generation
+"""The settings a user combines, walked as a matrix: every pair of values of two settings of
+the generation path and around it (how rollouts are made, asynchronous rollouts, the generation
 batch, iterations, the reference model, dynamic sampling, evaluation during training, LoRA,
-gradient checkpointing, truncated completions, logged completions, the loss and the rewards'
-scaling, sampling settings, importance sampling's level) meets in at least one cell, and each cell trains two steps on a tiny model under a
-deadline. A cell passes when the run ends, with finite losses, rewards logged at the steps that
-sampled, evaluation metrics where asked, the base weights frozen under LoRA, and no thread left
-running; a hang fails it at the deadline with the stack of every thread. Each cell also runs
-three steps and resumes from its first checkpoint: the same weights and metrics as the run
-straight through. The combinations the configuration refuses are checked for a message that
-says what to change."""
+gradient checkpointing, truncated completions, logged completions, the loss, the rewards'
+scaling, sampling settings, importance sampling's level) meets in at least one cell, and each
+cell trains two steps on a tiny model under a deadline. A cell passes when the run ends, with
+finite losses, rewards logged at the steps that sampled, evaluation metrics where asked, the
+base weights frozen under LoRA, and no thread or process left running; a hang fails it at the
+deadline with the stack of every thread. Each cell also runs three steps and resumes from its
+first checkpoint: the same weights and metrics as the run straight through. The combinations
+the configuration refuses are checked for a message that says what to change."""
 
 import copy
 import faulthandler
 import itertools
 import math
+import multiprocessing
 import random
 import signal
 import threading
@@ -315,6 +316,7 @@ def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
     # shares tensors with the rollout worker that way) stays for the life of the process.
     left = [t for t in left if not t.name.endswith("(_serve)")]
     assert not left, f"threads still running after train(): {left}"
+    assert not multiprocessing.active_children()  # the rollout worker is gone
 
 
 def step_logs(trainer) -> list[dict]:
