@@ -5,7 +5,8 @@ gradient checkpointing, truncated completions, logged completions, the loss, the
 scaling, sampling settings, importance sampling's level) meets in at least one cell, and each
 cell trains two steps on a tiny model under a deadline. A cell passes when the run ends, with
 finite losses, rewards logged at the steps that sampled, evaluation metrics where asked, the
-base weights frozen under LoRA, and no thread or process left running; a hang fails it at the
+base weights frozen under LoRA, no thread or process left running, and what `save_model` writes
+loading back as the model trained; a hang fails it at the
 deadline with the stack of every thread. Each cell also runs three steps and resumes from its
 first checkpoint: the same weights and metrics as the run straight through. The combinations
 the configuration refuses are checked for a message that says what to change."""
@@ -23,6 +24,7 @@ import pytest
 import torch
 from agent_helpers import TOOL_PROMPT, add, needs_trl_1_16, one_thread, tool_calling_model
 from datasets import Dataset
+from peft import PeftModel
 from PIL import Image
 from trainer_helpers import make_trainer
 
@@ -201,6 +203,15 @@ class Adder:
         return float(self.calls)
 
 
+def base_model(cell: dict, tool_model):
+    """The model a cell trains and its processing class, fresh."""
+    if cell["rollouts"] in ("tools", "environment"):
+        return tuple(copy.deepcopy(part) for part in tool_model)
+    if cell["rollouts"] == "images":
+        return tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+    return tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+
+
 def build(cell: dict, output_dir, tool_model):
     config = dict(
         num_generations=4,
@@ -222,18 +233,16 @@ def build(cell: dict, output_dir, tool_model):
     )
     kind = cell["rollouts"]
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
-    model = tokenizer = None
+    model, tokenizer = base_model(cell, tool_model)
     rewards = [odd_first_character, varied_length]
     if kind == "chat":
         rows = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     elif kind in ("tools", "environment"):
-        model, tokenizer = (copy.deepcopy(part) for part in tool_model)
         rows = [{"prompt": TOOL_PROMPT}] * 4
         rewards = [varied_length]
         config.update(max_completion_length=96, max_prompt_length=None)
         config.update(tools=[add]) if kind == "tools" else config.update(environment_factory=Adder)
     elif kind == "images":
-        model, tokenizer = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
         rows = [
             {"prompt": [{"role": "user", "content": "Which color?"}], "image": image}
             for image in (Image.new("RGB", (20, 30), color) for color in COLORS.values())
@@ -242,8 +251,6 @@ def build(cell: dict, output_dir, tool_model):
     elif kind == "rollout_func":
         rewards = [from_score]
         config.update(rollout_func=random_rollouts)
-    if model is None:
-        model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
     if cell["evaluate"]:
         config.update(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
     dataset = Dataset.from_list(rows)
@@ -317,6 +324,18 @@ def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
     left = [t for t in left if not t.name.endswith("(_serve)")]
     assert not left, f"threads still running after train(): {left}"
     assert not multiprocessing.active_children()  # the rollout worker is gone
+
+    # What save_model writes loads back as the model trained: the full weights, or the base
+    # model and the adapter.
+    trainer.save_model(str(tmp_path / "final"))
+    if cell["peft"]:
+        saved = PeftModel.from_pretrained(base_model(cell, tool_model)[0], tmp_path / "final")
+    else:
+        saved = type(trainer.model).from_pretrained(tmp_path / "final", dtype=torch.float32)
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = trainer.model.eval()(input_ids=tokens).logits
+        torch.testing.assert_close(saved.eval()(input_ids=tokens).logits, expected)
 
 
 def step_logs(trainer) -> list[dict]:
