@@ -5,11 +5,11 @@ gradient checkpointing, truncated completions, logged completions, the loss, the
 scaling, sampling settings, importance sampling's level) meets in at least one cell, and each
 cell trains two steps on a tiny model under a deadline. A cell passes when the run ends, with
 finite losses, rewards logged at the steps that sampled, evaluation metrics where asked, the
-base weights frozen under LoRA, no thread or process left running, and what `save_model` writes
-loading back as the model trained; a hang fails it at the
-deadline with the stack of every thread. Each cell also runs three steps and resumes from its
-first checkpoint: the same weights and metrics as the run straight through. The combinations
-the configuration refuses are checked for a message that says what to change."""
+base weights frozen under LoRA, no thread or process left running, and what `save_model`
+writes loading back as the model trained; a hang fails it at the deadline with the stack of
+every thread. Each cell also runs three steps and resumes from its first checkpoint: the same
+weights and metrics as the run straight through. The combinations the configuration refuses
+are checked for a message that says what to change."""
 
 import copy
 import faulthandler
