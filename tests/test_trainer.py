@@ -107,6 +107,34 @@ def test_dataset_without_prompt_column_lists_its_columns(tmp_path):
         make_trainer(tmp_path, dataset=dataset)
 
 
+@pytest.mark.parametrize(
+    "first, later, message",
+    [
+        (5, None, r"A prompt is 5 \(int\)\. A prompt is a string, or a non-empty list of messages"),
+        ([{"content": "hi"}], None, r"A prompt is \[\{'content': 'hi'\}\] \(list\).*'role'"),
+        ([], None, r"A prompt is \[\] \(list\)"),
+        ("1+1=", None, r"A prompt is None \(NoneType\)"),  # a later row: at its batch
+        ("", "", r"The prompt '' has no tokens"),  # the tiny tokenizer adds no BOS
+    ],
+)
+def test_a_prompt_that_is_not_one_is_an_error_that_says_what_a_prompt_is(
+    tmp_path, first, later, message
+):
+    """Rather than a tokenizer's or generate's error about its inputs: at construction for the
+    first row, at the first batch that holds it for a later one."""
+    dataset = Dataset.from_list([{"prompt": first}, {"prompt": later}] * 2)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, dataset=dataset, shuffle_dataset=False, max_steps=1).train()
+
+
+def test_a_batch_that_mixes_strings_and_messages_is_an_error():
+    # An Arrow dataset cannot hold both in one column; a list of rows or a generator can.
+    from trl_grpo_ext.generation.prompts import check_prompts
+
+    with pytest.raises(ValueError, match="mix strings and lists of messages"):
+        check_prompts(["1+1=", [{"role": "user", "content": "2+2="}]])
+
+
 def test_reward_weights_of_wrong_length(tmp_path):
     with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1"):
         make_trainer(tmp_path, reward_weights=[1.0, 2.0])

@@ -17,6 +17,42 @@ def is_conversational(prompt) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
+def check_prompts(prompts: list) -> None:
+    """Fails on a prompt that is neither a string nor a non-empty list of messages (dicts with
+    a `role`), and on a batch that mixes the two kinds, naming the prompt and what a prompt is."""
+    kinds = set()
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            kinds.add("a string")
+        elif isinstance(prompt, list) and prompt and is_conversational(prompt):
+            kinds.add("a list of messages")
+        else:
+            shown = repr(prompt)
+            raise ValueError(
+                f"A prompt is {shown[:120]}{'...' if len(shown) > 120 else ''} "
+                f"({type(prompt).__name__}). A prompt is a string, or a non-empty list of "
+                "messages such as [{'role': 'user', 'content': '...'}], each a dict with a "
+                "'role'; fix or drop the dataset rows whose 'prompt' is not."
+            )
+    if len(kinds) > 1:
+        raise ValueError(
+            "The prompts of one batch mix strings and lists of messages, which are tokenised "
+            "differently (only lists of messages go through the chat template): give every row "
+            "of the dataset's 'prompt' column the same kind."
+        )
+
+
+def check_tokens(prompt_mask: torch.Tensor, texts: list[str]) -> None:
+    """Fails on a prompt that tokenises to nothing (an empty string, with a tokenizer that adds
+    no BOS token): there is nothing to continue from."""
+    empty = (prompt_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"The prompt {texts[empty[0]]!r} has no tokens: this tokenizer adds none to an empty "
+            "string, so there is nothing to sample from. Give every row a non-empty prompt."
+        )
+
+
 def check_prompt_dataset(
     tokenizer, dataset, split: str = "train_dataset", needs_prompt: bool = True
 ) -> None:
@@ -29,6 +65,8 @@ def check_prompt_dataset(
             f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
             "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
+    if needs_prompt and columns is not None and len(dataset) > 0:
+        check_prompts([dataset[0]["prompt"]])  # the first row: a wrong format fails at once
     check_chat_template(tokenizer, dataset, split)
 
 
@@ -96,6 +134,7 @@ class PromptEncoder:
     def encode(self, prompts: list, tools: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`(prompt_ids, prompt_mask)`, both `(B, P)`, left-padded; `tools`, when given, holds
         each prompt's tools."""
+        check_prompts(prompts)
         tools = tools or [None] * len(prompts)
         texts = [self.render(prompt, tool) for prompt, tool in zip(prompts, tools)]
         encoded = self.tokenizer(
@@ -106,6 +145,7 @@ class PromptEncoder:
             add_special_tokens=not is_conversational(prompts[0]),
         )
         prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (B, P)
+        check_tokens(prompt_mask, texts)
         limit = self.max_prompt_length
         if limit is not None and prompt_ids.shape[1] > limit and any(tools):
             # The limit is on what the user wrote, never on the tools' schemas, which the chat
@@ -154,6 +194,7 @@ class PromptEncoder:
                 "train on their text alone. Pass the model's processor as processing_class "
                 "(AutoProcessor.from_pretrained(model_id)), or drop the images from the dataset."
             )
+        check_prompts(prompts)
         tools = tools or [None] * len(prompts)
         texts = [
             self.processor.apply_chat_template(
