@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from datasets import IterableDataset
 
 
 def is_conversational(prompt) -> bool:
@@ -59,6 +60,13 @@ def check_prompt_dataset(
     """Fails early on a dataset without a `prompt` column (unless an environment's `reset`
     supplies the prompts: `needs_prompt=False`), or with conversational prompts and a tokenizer
     without a chat template."""
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"{split} is a streaming dataset (datasets.IterableDataset), which this trainer does "
+            "not take yet (trl.GRPOTrainer does): it draws each generation batch's prompts by "
+            "index. Load it without streaming=True, or keep what you need of the stream as a "
+            "Dataset: Dataset.from_list(list(stream.take(n)))."
+        )
     columns = getattr(dataset, "column_names", None)
     if needs_prompt and columns is not None and "prompt" not in columns:
         raise ValueError(
