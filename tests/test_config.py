@@ -112,6 +112,13 @@ def test_defaults_run_on_cpu(tmp_path):
         ({"generation_batch_size": 12, "per_device_train_batch_size": 8}, "divisible"),
         ({"temperature": 0.0}, "temperature"),
         ({"delta": 0.9}, "delta"),
+        # zero divided the batch sizes; a negative count trained for no step without a word
+        ({"steps_per_generation": 0}, r"steps_per_generation=0 must be >= 1"),
+        ({"steps_per_generation": -2}, r"steps_per_generation=-2 must be >= 1"),
+        ({"generation_batch_size": 0}, r"generation_batch_size=0 must be >= 1"),
+        ({"per_device_train_batch_size": 0}, r"per_device_train_batch_size=0 must be >= 1"),
+        ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0 must be >= 1"),
+        ({"max_prompt_length": 0}, r"max_prompt_length=0 must be >= 1, or None"),
     ],
 )
 def test_invalid_combinations_say_what_to_change(tmp_path, kwargs, message):

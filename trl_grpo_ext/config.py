@@ -711,6 +711,14 @@ class GroupRelativeConfig(TrainingArguments):
             fail(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.max_completion_length < 1:
             fail(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            fail(
+                f"max_prompt_length={self.max_prompt_length} must be >= 1, or None to keep whole "
+                "prompts."
+            )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                fail(f"{name}={getattr(self, name)} must be >= 1.")
         if self.temperature <= 0:
             fail(f"temperature={self.temperature} must be > 0 (it divides the logits).")
 
@@ -719,6 +727,10 @@ class GroupRelativeConfig(TrainingArguments):
         accumulation = self.gradient_accumulation_steps
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
             fail("Set either steps_per_generation or generation_batch_size, not both.")
+        for name in ("steps_per_generation", "generation_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                fail(f"{name}={value} must be >= 1 (or None: one generation batch per step).")
         if self.generation_batch_size is not None:
             if self.generation_batch_size % (micro_batch * processes):
                 fail(
