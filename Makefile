@@ -68,7 +68,7 @@ $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 LOWEST_TESTS := config constructor_parity recipe data layout readme docs gpu_presets objective \
 	off_policy batches trainer checkpoints sampling rollout logprobs tiny tiny_heads \
 	gradient_checkpointing reward_models rewards rewards_in_trl engines evaluation subclassing \
-	packed_attention architectures resume_weights \
+	packed_attention architectures resume_weights streaming \
 	distributed sharded
 # Within those files, runs of the package's own logic that the newest releases cover: a script
 # run end to end, the evaluation script, the entropy pool across processes (35 s of 155).

@@ -127,13 +127,6 @@ def test_a_prompt_that_is_not_one_is_an_error_that_says_what_a_prompt_is(
         make_trainer(tmp_path, dataset=dataset, shuffle_dataset=False, max_steps=1).train()
 
 
-@pytest.mark.parametrize("split", ["dataset", "eval_dataset"])
-def test_a_streaming_dataset_is_an_error_that_says_what_to_do(tmp_path, split):
-    stream = Dataset.from_list([{"prompt": "1+1="}] * 8).to_iterable_dataset()
-    with pytest.raises(ValueError, match=r"streaming dataset .*Dataset.from_list\(list\(stream"):
-        make_trainer(tmp_path, **{split: stream})
-
-
 def test_a_batch_that_mixes_strings_and_messages_is_an_error():
     # An Arrow dataset cannot hold both in one column; a list of rows or a generator can.
     from trl_grpo_ext.generation.prompts import check_prompts

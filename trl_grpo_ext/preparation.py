@@ -29,6 +29,7 @@ from .generation.images import (
     text_tokenizer,
 )
 from .generation.producer import RolloutProducer
+from .generation.prompts import first_row
 from .hub import is_peft_model
 from .rewards.model import RewardModel, resolve_reward_models
 from .scoring import resolve_reward_funcs, reward_func_list, reward_name, reward_weights
@@ -88,8 +89,9 @@ def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, ro
             )
         if rollout_func is not None:
             raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
-        if "prompt" in dataset.column_names and len(dataset):
-            prompt_with_images(dataset[0])  # conversational, each image part with its image
+        first = first_row(dataset) if "prompt" in dataset.column_names else None
+        if first is not None:
+            prompt_with_images(first)  # conversational, each image part with its image
         unsupported = images_unsupported(args)
         if unsupported:
             raise ValueError(f"{split}: {unsupported}")

@@ -1,9 +1,10 @@
-"""Which prompts each process trains on: whole generation batches, the same order everywhere."""
+"""Which prompts each process trains on: whole generation batches, the same order everywhere,
+from a map-style dataset or a stream."""
 
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 
 class GenerationBatchSampler(Sampler[list[int]]):
@@ -38,11 +39,47 @@ class GenerationBatchSampler(Sampler[list[int]]):
                 yield local
 
 
-class EpochDataLoader(DataLoader):
-    """A DataLoader whose `set_epoch` reaches its batch sampler (the Trainer calls it)."""
+class StreamBatches(IterableDataset):
+    """The generation batches of a streaming dataset (`datasets.IterableDataset`), as
+    `GenerationBatchSampler` makes them of a map-style one: every process reads the same stream,
+    in a seeded buffered shuffle (`stream.shuffle(seed, buffer_size)`, reseeded per epoch, as
+    TRL shuffles streams), takes its own slice of each global generation batch and yields it
+    `repeats` times. An incomplete last generation batch is dropped.
+    """
+
+    def __init__(
+        self, stream, prompts_per_batch, repeats, rank, world_size, shuffle, seed, buffer_size=1000
+    ):
+        self.stream, self.prompts_per_batch, self.repeats = stream, prompts_per_batch, repeats
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.buffer_size = buffer_size
+        self.epoch = 0
 
     def set_epoch(self, epoch: int):
-        self.batch_sampler.set_epoch(epoch)
+        self.epoch = epoch
+
+    def __iter__(self):
+        stream = self.stream
+        if self.shuffle:
+            stream = stream.shuffle(seed=self.seed, buffer_size=self.buffer_size)
+            stream.set_epoch(self.epoch)
+        global_batch = self.prompts_per_batch * self.world_size
+        batch = []
+        for row in stream:
+            batch.append(row)
+            if len(batch) == global_batch:
+                local = batch[self.rank * self.prompts_per_batch :][: self.prompts_per_batch]
+                for _ in range(self.repeats):
+                    yield [dict(row) for row in local]  # fresh rows, as a map-style dataset's
+                batch = []
+
+
+class EpochDataLoader(DataLoader):
+    """A DataLoader whose `set_epoch` reaches its batch sampler, or its `StreamBatches` (the
+    Trainer calls it)."""
+
+    def set_epoch(self, epoch: int):
+        (self.batch_sampler if self.batch_sampler is not None else self.dataset).set_epoch(epoch)
 
 
 def collate_rows(batch: list[dict]) -> list[dict]:

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
+from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
@@ -67,7 +68,7 @@ from .objective import (
 )
 from .off_policy import behaviour_correction
 from .resume_weights import load_full_weights
-from .sampler import EpochDataLoader, GenerationBatchSampler, collate_rows
+from .sampler import EpochDataLoader, GenerationBatchSampler, StreamBatches, collate_rows
 from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
@@ -90,10 +91,11 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             first logit on prompt + completion is the reward (`rewards.model.RewardModel`).
         args ([`GroupRelativeConfig`], *optional*):
             Training configuration; defaults to `GroupRelativeConfig("<model name>-GRPO")`.
-        train_dataset (`datasets.Dataset`, *optional*):
-            Dataset with a `prompt` column: a string (standard) or a list of messages
-            (conversational, rendered with the tokenizer's chat template). Other columns are
-            passed to the reward functions, one entry per completion. Images, as TRL takes them:
+        train_dataset (`datasets.Dataset` or `datasets.IterableDataset`, *optional*):
+            Dataset (or stream, with `max_steps` set) with a `prompt` column: a string
+            (standard) or a list of messages (conversational, rendered with the tokenizer's
+            chat template). Other columns are passed to the reward functions, one entry per
+            completion. Images, as TRL takes them:
             an `image` or `images` column, or `{"type": "image"}` parts in conversational
             prompts; single-turn rollouts on the transformers engine only for now (other paths
             are an error, `generation/images.py`).
@@ -174,6 +176,12 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
+        if args.dynamic_sampling and isinstance(train_dataset, IterableDataset):
+            raise ValueError(
+                "dynamic_sampling draws its extra prompts at random from train_dataset, which a "
+                "streaming dataset cannot give: set dynamic_sampling=False, or load the dataset "
+                "without streaming=True."
+            )
         datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
         preparation.check_images(processing_class, datasets, args, rollout_func)
 
@@ -224,15 +232,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
             )
         args = self.args
-        needed = args.prompts_per_generation * args.world_size
-        if len(self.train_dataset) < needed:
-            raise ValueError(
-                f"train_dataset has {len(self.train_dataset)} prompts but one generation batch "
-                f"needs {needed}; add prompts or lower per_device_train_batch_size or "
-                "steps_per_generation."
-            )
-        sampler = GenerationBatchSampler(
-            num_rows=len(self.train_dataset),
+        batches = dict(
             prompts_per_batch=args.prompts_per_generation,
             repeats=args.steps_per_generation * args.num_iterations,
             rank=args.process_index,
@@ -240,6 +240,17 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             shuffle=args.shuffle_dataset,
             seed=args.data_seed if args.data_seed is not None else args.seed,
         )
+        if isinstance(self.train_dataset, IterableDataset):  # a stream: no length
+            stream = StreamBatches(self.train_dataset, **batches)
+            return EpochDataLoader(stream, batch_size=None, collate_fn=collate_rows)
+        needed = args.prompts_per_generation * args.world_size
+        if len(self.train_dataset) < needed:
+            raise ValueError(
+                f"train_dataset has {len(self.train_dataset)} prompts but one generation batch "
+                f"needs {needed}; add prompts or lower per_device_train_batch_size or "
+                "steps_per_generation."
+            )
+        sampler = GenerationBatchSampler(num_rows=len(self.train_dataset), **batches)
         return EpochDataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate_rows)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from .prompts import first_row
+
 IMAGE_COLUMNS = ("images", "image")
 PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
 COUNT = ":count"  # suffix of the entry counts of a per-image field
@@ -80,9 +82,8 @@ def dataset_has_images(dataset) -> bool:
     columns = getattr(dataset, "column_names", None) or []
     if any(column in columns for column in IMAGE_COLUMNS):
         return True
-    if "prompt" not in columns or len(dataset) == 0:
-        return False
-    return has_image_parts(dataset[0]["prompt"])
+    first = first_row(dataset) if "prompt" in columns else None
+    return first is not None and has_image_parts(first["prompt"])
 
 
 def rows_have_images(rows: list[dict]) -> bool:

@@ -60,12 +60,11 @@ def check_prompt_dataset(
     """Fails early on a dataset without a `prompt` column (unless an environment's `reset`
     supplies the prompts: `needs_prompt=False`), or with conversational prompts and a tokenizer
     without a chat template."""
-    if isinstance(dataset, IterableDataset):
+    if isinstance(dataset, IterableDataset) and split != "train_dataset":
         raise ValueError(
-            f"{split} is a streaming dataset (datasets.IterableDataset), which this trainer does "
-            "not take yet (trl.GRPOTrainer does): it draws each generation batch's prompts by "
-            "index. Load it without streaming=True, or keep what you need of the stream as a "
-            "Dataset: Dataset.from_list(list(stream.take(n)))."
+            f"{split} is a streaming dataset (datasets.IterableDataset): evaluation takes a "
+            "Dataset, whose problems it shares out between processes by index. Keep the "
+            "problems as one: Dataset.from_list(list(stream.take(n)))."
         )
     columns = getattr(dataset, "column_names", None)
     if needs_prompt and columns is not None and "prompt" not in columns:
@@ -73,16 +72,25 @@ def check_prompt_dataset(
             f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
             "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
-    if needs_prompt and columns is not None and len(dataset) > 0:
-        check_prompts([dataset[0]["prompt"]])  # the first row: a wrong format fails at once
+    first = first_row(dataset)
+    if needs_prompt and columns is not None and first is not None:
+        check_prompts([first["prompt"]])  # the first row: a wrong format fails at once
     check_chat_template(tokenizer, dataset, split)
+
+
+def first_row(dataset) -> dict | None:
+    """The first row of a dataset, streaming or not; None for an empty one."""
+    if isinstance(dataset, IterableDataset):
+        return next(iter(dataset), None)
+    return dataset[0] if dataset is not None and len(dataset) else None
 
 
 def check_chat_template(tokenizer, dataset, split: str = "train_dataset") -> None:
     """Fails early when a conversational dataset meets a tokenizer without a chat template."""
     if dataset is None or "prompt" not in (getattr(dataset, "column_names", None) or []):
         return
-    if len(dataset) == 0 or not is_conversational(dataset[0]["prompt"]):
+    first = first_row(dataset)
+    if first is None or not is_conversational(first["prompt"]):
         return
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
