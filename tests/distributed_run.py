@@ -1,6 +1,8 @@
 """A short training run, launched by tests/test_distributed.py with 1 or 2 processes.
 
-usage: distributed_run.py OUTPUT_DIR PER_DEVICE_BATCH
+usage: distributed_run.py OUTPUT_DIR PER_DEVICE_BATCH [stream]
+
+With `stream`, the prompts come as a streaming dataset (`datasets.IterableDataset`).
 """
 
 import json
@@ -12,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from trainer_helpers import digit_sums, make_trainer, odd_first_byte  # noqa: E402
 
 output_dir, per_device = sys.argv[1], int(sys.argv[2])
+stream = sys.argv[3:] == ["stream"]
 rank = int(os.environ.get("RANK", 0))
 
 
@@ -35,7 +38,7 @@ def logs_by_rank(completions, log_metric, log_extra, **kwargs):
 trainer = make_trainer(
     output_dir,
     reward_funcs=[prompt_value, odd_first_byte, logs_by_rank],
-    dataset=digit_sums(4),
+    dataset=digit_sums(4).to_iterable_dataset() if stream else digit_sums(4),
     per_device_train_batch_size=per_device,
     max_steps=3,
     log_completions=True,

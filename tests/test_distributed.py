@@ -41,9 +41,9 @@ def launch(script, processes, *arguments):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def run(output_dir, processes, per_device):
+def run(output_dir, processes, per_device, *options):
     output_dir.mkdir()
-    launch(SCRIPT, processes, output_dir, per_device)
+    launch(SCRIPT, processes, output_dir, per_device, *options)
     results = [json.loads(path.read_text()) for path in sorted(output_dir.glob("result-*.json"))]
     calls = {
         int(path.stem.split("-")[1]): [json.loads(line) for line in path.read_text().splitlines()]
@@ -79,6 +79,27 @@ def test_each_group_stays_on_one_process(runs):
         for counts in per_process:
             assert set(counts.values()) == {4}  # num_generations completions of each prompt
         assert not set(per_process[0]) & set(per_process[1])  # no prompt on both processes
+
+
+def test_two_processes_share_out_a_stream(tmp_path):
+    """Each process reads the whole (shuffled) stream and keeps its own slice of each
+    generation batch: whole groups on one process, no prompt on both, none twice in the epoch,
+    and both processes with the same weights."""
+    results, calls = run(tmp_path / "stream", 2, 8, "stream")
+    assert results[0]["weights"] == pytest.approx(results[1]["weights"], rel=1e-6)
+    seen = []
+    for step in range(3):
+        per_process = [
+            Counter(
+                prompt for call in calls[rank] if call["step"] == step for prompt in call["prompts"]
+            )
+            for rank in (0, 1)
+        ]
+        for counts in per_process:
+            assert len(counts) == 2 and set(counts.values()) == {4}  # 2 groups of 4 each
+        assert not set(per_process[0]) & set(per_process[1])
+        seen += [prompt for counts in per_process for prompt in counts]
+    assert len(seen) == len(set(seen)) == 12  # 3 steps of 4 prompts from 16, none twice
 
 
 def test_logged_rewards_match_one_process_on_the_same_data(runs):
