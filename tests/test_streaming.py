@@ -1,7 +1,8 @@
 """A streaming dataset (`load_dataset(..., streaming=True)`, a `datasets.IterableDataset`) as
-`train_dataset`, as `trl.GRPOTrainer` takes it: the same generation batches as the same rows in
-a `Dataset` and as TRL's when unshuffled, a seeded shuffle reseeded each epoch, exact resumes, asynchronous
-rollouts, and a clear error where a stream cannot serve."""
+`train_dataset` or `eval_dataset`, as `trl.GRPOTrainer` takes it: the same generation batches
+as the same rows in a `Dataset` and as TRL's when unshuffled, a seeded shuffle reseeded each
+epoch, exact resumes, asynchronous rollouts, evaluation, and a clear error where a stream
+cannot serve."""
 
 import pytest
 import torch
@@ -90,10 +91,17 @@ def test_asynchronous_rollouts_read_the_stream_in_the_same_order(tmp_path):
     assert ahead.state.global_step == 4 and async_prompts == sync_prompts
 
 
+def test_a_streaming_eval_dataset_evaluates_as_the_same_rows_in_a_dataset(tmp_path):
+    rows = Dataset.from_list([{"prompt": f"{a}+{b}="} for a in range(3) for b in range(3)])
+    results = []
+    for eval_dataset in (rows, rows.to_iterable_dataset()):
+        trainer = make_trainer(tmp_path, eval_dataset=eval_dataset, num_generations_eval=4)
+        results.append(trainer.evaluate())
+    assert results[0] == results[1] and "eval_reward" in results[0]
+
+
 def test_where_a_stream_cannot_serve_the_error_says_what_to_do(tmp_path):
     stream = Dataset.from_list([{"prompt": "1+1="}] * 8).to_iterable_dataset()
-    with pytest.raises(ValueError, match=r"eval_dataset is a streaming dataset.*take\(n\)"):
-        make_trainer(tmp_path, eval_dataset=stream)
     with pytest.raises(ValueError, match="dynamic_sampling draws its extra prompts at random"):
         make_trainer(tmp_path, dataset=stream, dynamic_sampling=True)
     with pytest.raises(ValueError, match="max_steps"):  # a stream has no length

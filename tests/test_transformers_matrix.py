@@ -265,7 +265,11 @@ def build(cell: dict, output_dir, tool_model):
         reward_funcs=rewards,
         dataset=dataset.to_iterable_dataset() if cell["dataset"] == "stream" else dataset,
         peft=cell["peft"],
-        eval_dataset=dataset if cell["evaluate"] else None,
+        eval_dataset=(
+            (dataset.to_iterable_dataset() if cell["dataset"] == "stream" else dataset)
+            if cell["evaluate"]
+            else None
+        ),
         **config,
     )
     return trainer

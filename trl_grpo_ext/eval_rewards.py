@@ -17,9 +17,11 @@ A recipe that evaluates with it (`recipes/vlm_math.py`) records each evaluation'
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import torch
+from datasets import IterableDataset
 from transformers import TrainerCallback
 
 from .metrics import rollout_metrics
@@ -32,7 +34,8 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
 
     Args:
         trainer ([`GroupRelativeTrainer`]): samples and scores the completions.
-        dataset (`datasets.Dataset`): rows with a `prompt`, as the training data.
+        dataset (`datasets.Dataset` or `datasets.IterableDataset`): rows with a `prompt`, as
+            the training data; a stream is read to its end.
         metric_key_prefix (`str`, *optional*, defaults to `"eval"`): prefix of the keys.
 
     Returns:
@@ -40,14 +43,13 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
         metrics, equal on every process.
     """
     args, accelerator = trainer.args, trainer.accelerator
-    indices = list(range(args.process_index, len(dataset), args.world_size))
+    rows_here = rows_of_process(dataset, args.process_index, args.world_size)
     chunk = max(args.prompts_per_generation, 1)
     sums = torch.zeros(len(trainer.reward_funcs) + 1, device=accelerator.device)
     counts = torch.zeros_like(sums)
     batches: dict[str, list[float]] = defaultdict(list)  # per-batch values of the other metrics
     with trainer.rollouts.evaluating():  # num_generations_eval completions per prompt
-        for start in range(0, len(indices), chunk):
-            rows = [dataset[i] for i in indices[start : start + chunk]]
+        while rows := list(itertools.islice(rows_here, chunk)):
             rollout = trainer.generate_rollouts(rows)
             rewards = trainer.score_rollouts(rollout).to(sums.device)
             for key, value in trainer.reward_logs.take_metrics().items():  # `log_metric`
@@ -72,6 +74,14 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
         f"{metric_key_prefix}_{name}": value
         for name, value in {**_batch_means(batches, accelerator, exact), **exact}.items()
     }
+
+
+def rows_of_process(dataset, rank: int, world_size: int):
+    """Rows `rank`, `rank + world_size`, ... of a `Dataset` or a stream, in order (each process
+    reads the whole stream)."""
+    if isinstance(dataset, IterableDataset):
+        return (row for index, row in enumerate(dataset) if index % world_size == rank)
+    return (dataset[index] for index in range(rank, len(dataset), world_size))
 
 
 def _batch_means(batches: dict[str, list[float]], accelerator, leave_out) -> dict[str, float]:

@@ -60,12 +60,6 @@ def check_prompt_dataset(
     """Fails early on a dataset without a `prompt` column (unless an environment's `reset`
     supplies the prompts: `needs_prompt=False`), or with conversational prompts and a tokenizer
     without a chat template."""
-    if isinstance(dataset, IterableDataset) and split != "train_dataset":
-        raise ValueError(
-            f"{split} is a streaming dataset (datasets.IterableDataset): evaluation takes a "
-            "Dataset, whose problems it shares out between processes by index. Keep the "
-            "problems as one: Dataset.from_list(list(stream.take(n)))."
-        )
     columns = getattr(dataset, "column_names", None)
     if needs_prompt and columns is not None and "prompt" not in columns:
         raise ValueError(
