@@ -106,6 +106,9 @@ def test_where_a_stream_cannot_serve_the_error_says_what_to_do(tmp_path):
         make_trainer(tmp_path, dataset=stream, dynamic_sampling=True)
     with pytest.raises(ValueError, match="max_steps"):  # a stream has no length
         make_trainer(tmp_path, dataset=stream, max_steps=-1).train()
+    short = Dataset.from_list([{"prompt": "1+1="}]).to_iterable_dataset()
+    with pytest.raises(ValueError, match="streamed 1 prompts but one generation batch needs 2"):
+        make_trainer(tmp_path, dataset=short).train()  # rather than 0 steps and a warning
 
 
 @pytest.mark.skipif(

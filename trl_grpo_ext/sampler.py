@@ -64,14 +64,21 @@ class StreamBatches(IterableDataset):
             stream = stream.shuffle(seed=self.seed, buffer_size=self.buffer_size)
             stream.set_epoch(self.epoch)
         global_batch = self.prompts_per_batch * self.world_size
-        batch = []
+        batch, rows = [], 0
         for row in stream:
+            rows += 1
             batch.append(row)
             if len(batch) == global_batch:
                 local = batch[self.rank * self.prompts_per_batch :][: self.prompts_per_batch]
                 for _ in range(self.repeats):
                     yield [dict(row) for row in local]  # fresh rows, as a map-style dataset's
                 batch = []
+        if rows < global_batch:  # else an epoch of no step, and training would end silently
+            raise ValueError(
+                f"train_dataset streamed {rows} prompts but one generation batch needs "
+                f"{global_batch}; add prompts or lower per_device_train_batch_size or "
+                "steps_per_generation."
+            )
 
 
 class EpochDataLoader(DataLoader):
