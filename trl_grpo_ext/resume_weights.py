@@ -49,7 +49,7 @@ def load_full_weights(model, folder: str) -> bool:
     if not isinstance(model, PreTrainedModel) or getattr(model, "_hf_peft_config_loaded", False):
         return False
     saved = saved_weight_names(folder)
-    if saved is None or saved <= set(model.state_dict()):
+    if saved is None or saved <= model.state_dict().keys():
         return False
     dtype = next(model.parameters()).dtype
     loaded, info = type(model).from_pretrained(
@@ -67,3 +67,28 @@ def load_full_weights(model, folder: str) -> bool:
         )
     model.load_state_dict(loaded.state_dict())
     return True
+
+
+class FullWeightsMixin:
+    """`Trainer`'s checkpoint and best-model loading, with full weights saved under converted
+    names loaded under the model's own (`load_full_weights`); DeepSpeed and FSDP load their own
+    shards as before."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if (
+            self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not load_full_weights(
+                model if model is not None else self.model, resume_from_checkpoint
+            )
+        ):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        folder = self.state.best_model_checkpoint
+        if (
+            self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not load_full_weights(self.model, folder)
+        ):
+            super()._load_best_model()

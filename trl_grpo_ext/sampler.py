@@ -3,6 +3,7 @@ from a map-style dataset or a stream."""
 
 from __future__ import annotations
 
+import datasets
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
@@ -92,3 +93,39 @@ class EpochDataLoader(DataLoader):
 def collate_rows(batch: list[dict]) -> list[dict]:
     """Keeps a batch as the list of dataset rows (the trainer renders and tokenises them)."""
     return batch
+
+
+def train_dataloader(dataset, args) -> DataLoader:
+    """The training prompts of this process, one generation batch per item, `steps_per_generation
+    * num_iterations` times each: from a `Dataset` by `GenerationBatchSampler`, from a stream
+    (`datasets.IterableDataset`) by `StreamBatches`."""
+    batches = dict(
+        prompts_per_batch=args.prompts_per_generation,
+        repeats=args.steps_per_generation * args.num_iterations,
+        rank=args.process_index,
+        world_size=args.world_size,
+        shuffle=args.shuffle_dataset,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+    )
+    if isinstance(dataset, datasets.IterableDataset):  # a stream: no length
+        return EpochDataLoader(
+            StreamBatches(dataset, **batches), batch_size=None, collate_fn=collate_rows
+        )
+    needed = args.prompts_per_generation * args.world_size
+    if len(dataset) < needed:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts but one generation batch needs {needed}; "
+            "add prompts or lower per_device_train_batch_size or steps_per_generation."
+        )
+    sampler = GenerationBatchSampler(num_rows=len(dataset), **batches)
+    return EpochDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+
+
+def check_stream(dataset, args) -> None:
+    """Fails on settings a streaming train_dataset cannot serve."""
+    if args.dynamic_sampling and isinstance(dataset, datasets.IterableDataset):
+        raise ValueError(
+            "dynamic_sampling draws its extra prompts at random from train_dataset, which a "
+            "streaming dataset cannot give: set dynamic_sampling=False, or load the dataset "
+            "without streaming=True."
+        )

@@ -25,7 +25,6 @@ from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
-from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
@@ -67,15 +66,15 @@ from .objective import (
     policy_loss,
 )
 from .off_policy import behaviour_correction
-from .resume_weights import load_full_weights
-from .sampler import EpochDataLoader, GenerationBatchSampler, StreamBatches, collate_rows
+from .resume_weights import FullWeightsMixin
+from .sampler import check_stream, collate_rows, train_dataloader
 from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
 
 
-class GroupRelativeTrainer(HubMixin, Trainer):
+class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
     """Trains a causal language model with GRPO.
 
     Args:
@@ -176,12 +175,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
             )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
-        if args.dynamic_sampling and isinstance(train_dataset, IterableDataset):
-            raise ValueError(
-                "dynamic_sampling draws its extra prompts at random from train_dataset, which a "
-                "streaming dataset cannot give: set dynamic_sampling=False, or load the dataset "
-                "without streaming=True."
-            )
+        check_stream(train_dataset, args)
         datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
         preparation.check_images(processing_class, datasets, args, rollout_func)
 
@@ -231,27 +225,7 @@ class GroupRelativeTrainer(HubMixin, Trainer):
                 "`train_dataset` is required to train unless an `environment_factory` is provided "
                 "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
             )
-        args = self.args
-        batches = dict(
-            prompts_per_batch=args.prompts_per_generation,
-            repeats=args.steps_per_generation * args.num_iterations,
-            rank=args.process_index,
-            world_size=args.world_size,
-            shuffle=args.shuffle_dataset,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
-        if isinstance(self.train_dataset, IterableDataset):  # a stream: no length
-            stream = StreamBatches(self.train_dataset, **batches)
-            return EpochDataLoader(stream, batch_size=None, collate_fn=collate_rows)
-        needed = args.prompts_per_generation * args.world_size
-        if len(self.train_dataset) < needed:
-            raise ValueError(
-                f"train_dataset has {len(self.train_dataset)} prompts but one generation batch "
-                f"needs {needed}; add prompts or lower per_device_train_batch_size or "
-                "steps_per_generation."
-            )
-        sampler = GenerationBatchSampler(num_rows=len(self.train_dataset), **batches)
-        return EpochDataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate_rows)
+        return train_dataloader(self.train_dataset, self.args)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
@@ -574,27 +548,6 @@ class GroupRelativeTrainer(HubMixin, Trainer):
         return metrics
 
     # ------------------------------------------------------ checkpoints, Hub
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """As `Trainer`'s, with full weights saved under converted names loaded under the
-        model's own (`resume_weights`)."""
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if not load_full_weights(
-            model if model is not None else self.model, resume_from_checkpoint
-        ):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        """As `Trainer`'s, with full weights saved under converted names loaded under the
-        model's own (`resume_weights`)."""
-        folder = self.state.best_model_checkpoint
-        if (
-            self.is_deepspeed_enabled
-            or self.is_fsdp_enabled
-            or not load_full_weights(self.model, folder)
-        ):
-            super()._load_best_model()
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """As `Trainer.train`; `resume_from_checkpoint=True` skips incomplete checkpoints (one
