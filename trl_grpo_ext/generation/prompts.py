@@ -66,10 +66,10 @@ def check_prompt_dataset(
             f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
             "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
-    first = first_row(dataset)
-    if needs_prompt and columns is not None and first is not None:
+    first = first_row(dataset) if "prompt" in (columns or []) else None  # read once
+    if first is not None:
         check_prompts([first["prompt"]])  # the first row: a wrong format fails at once
-    check_chat_template(tokenizer, dataset, split)
+        check_chat_template(tokenizer, first, split)
 
 
 def first_row(dataset) -> dict | None:
@@ -79,14 +79,10 @@ def first_row(dataset) -> dict | None:
     return dataset[0] if dataset is not None and len(dataset) else None
 
 
-def check_chat_template(tokenizer, dataset, split: str = "train_dataset") -> None:
-    """Fails early when a conversational dataset meets a tokenizer without a chat template."""
-    if dataset is None or "prompt" not in (getattr(dataset, "column_names", None) or []):
-        return
-    first = first_row(dataset)
-    if first is None or not is_conversational(first["prompt"]):
-        return
-    if getattr(tokenizer, "chat_template", None) is None:
+def check_chat_template(tokenizer, row: dict, split: str = "train_dataset") -> None:
+    """Fails early when a conversational dataset (its first `row`) meets a tokenizer without
+    a chat template."""
+    if is_conversational(row["prompt"]) and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"{split} holds conversational prompts (lists of messages), but the tokenizer "
             f"{type(tokenizer).__name__} has no chat template to render them. Use the tokenizer of "
