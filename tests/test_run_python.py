@@ -19,6 +19,7 @@ import time
 import warnings
 
 import pytest
+from deadline import deadline
 
 from trl_grpo_ext.tools import (
     PythonSandbox,
@@ -40,22 +41,14 @@ LIMITS = dict(cpu_seconds=2, wall_seconds=5.0, memory_mb=512, max_processes=8)
 
 
 @pytest.fixture(autouse=True)
-def deadline(request):
+def fails_when_hung(request):
     """A hang is a failure: every test but the slow ones fails past 180 s."""
     if request.node.get_closest_marker("slow"):
         yield
         return
 
-    def hung(signum, frame):
-        pytest.fail("the test ran past its deadline of 180 s (a hang)")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, 180)
-    try:
+    with deadline(180):
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module", params=isolation.MECHANISMS)

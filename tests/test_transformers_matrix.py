@@ -12,18 +12,17 @@ weights and metrics as the run straight through. The combinations the configurat
 are checked for a message that says what to change."""
 
 import copy
-import faulthandler
 import itertools
 import math
 import multiprocessing
 import random
-import signal
 import threading
 
 import pytest
 import torch
 from agent_helpers import TOOL_PROMPT, add, needs_trl_1_16, one_thread, tool_calling_model
 from datasets import Dataset
+from deadline import deadline
 from peft import PeftModel
 from PIL import Image
 from trainer_helpers import make_trainer
@@ -275,31 +274,11 @@ def build(cell: dict, output_dir, tool_model):
     return trainer
 
 
-class Deadline:
-    """Raises `TimeoutError` in the main thread after `seconds`, having written every thread's
-    stack to stderr: a hang fails the cell, and says where it hung."""
-
-    def __init__(self, seconds: int):
-        self.seconds = seconds
-
-    def __enter__(self):
-        def expire(signum, frame):
-            faulthandler.dump_traceback(all_threads=True)
-            raise TimeoutError(f"the cell ran past its {self.seconds} s deadline")
-
-        self.previous = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(self.seconds)
-
-    def __exit__(self, *exc):
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, self.previous)
-
-
 @needs_trl_1_16
 @pytest.mark.parametrize("cell", CELLS, ids=cell_id)
 def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
     threads_before = set(threading.enumerate())
-    with one_thread(), Deadline(DEADLINE_SECONDS):
+    with one_thread(), deadline(DEADLINE_SECONDS, "the cell"):
         trainer = build(cell, tmp_path, tool_model)
         base = {
             name: parameter.detach().clone()
@@ -360,7 +339,7 @@ def test_a_cell_resumed_from_its_first_checkpoint_continues_the_same_run(
     environments with asynchronous rollouts sample their batches in flight again, with a
     warning that says so."""
     kept = dict(max_steps=3, log_completions=False)  # the printed table is not saved
-    with one_thread(), Deadline(2 * DEADLINE_SECONDS):
+    with one_thread(), deadline(2 * DEADLINE_SECONDS, "the cell"):
         straight = build(cell, tmp_path / "straight", tool_model)
         straight.args.__dict__.update(kept, save_strategy="steps", save_steps=1)
         straight.train()
