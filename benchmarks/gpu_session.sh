@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# A first GPU session in one script: install from wheels carried with the tree, run every GPU
-# preset for 2 steps, then benchmarks/gpu.py (ours vs TRL, bf16, LoRA) and benchmarks/levers.py
-# (each lever on and off), each under a timeout, writing every log and result under $OUT as it
+# A first GPU session in one script: install from wheels carried with the tree, run
+# benchmarks/gpu.py (ours vs TRL, bf16, LoRA) and benchmarks/levers.py (each lever on and off),
+# then every GPU preset for 2 steps, each under a timeout (the figures first: a session cut short
+# loses smoke runs, not the benchmark), writing every log and result under $OUT as it
 # goes (a run cut short still leaves its figures).
 #
 #   bash benchmarks/gpu_session.sh prep         # here, with PyPI: wheels into .cache/gpu_wheels
 #   OUT=/some/folder bash benchmarks/gpu_session.sh      # on the GPU machine, repository root
 #
-# prep downloads, without dependencies, the packages the recipe needs beyond torch and
-# transformers (the GPU machine has those, and no network) into .cache/gpu_wheels, git-ignored:
+# prep downloads, without dependencies, the packages the recipe needs beyond torch (the GPU machine
+# has it, and no network), transformers included, into .cache/gpu_wheels, git-ignored:
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
 # On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT, LEVERS_TIMEOUT and PRESETS
@@ -18,7 +19,9 @@
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.cache/gpu_wheels}
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+# Carried wheels install here, ahead of the machine's own packages on the path.
+SITE=${SITE:-/tmp/gpu_session_site}
 
 # Beyond torch and transformers; --no-deps, so each package's own dependencies are listed too.
 # datasets 4.7 (the oldest supported) takes pyarrow 21, whose wheel is 6-13 MB smaller than newer
@@ -27,7 +30,10 @@ PYTHON=${PYTHON:-python}
 # DATASETS_WHEELS="datasets>=5.1 pyarrow==24.* dill<0.4.2 multiprocess<0.70.20" and leave out
 # what the machine has (SKIP_WHEELS), since that set is about 3 MB larger.
 DATASETS_WHEELS=${DATASETS_WHEELS:-"datasets==4.7.* pyarrow==21.* dill<0.4.1 multiprocess<0.70.19 fsspec<=2026.2.0"}
-PACKAGES="trl accelerate peft math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
+# The GPU image has transformers 5.17 (below our 5.19) with huggingface_hub 1.33: 5.24 is the
+# newest transformers that takes a huggingface_hub below 2.
+TRANSFORMERS_WHEEL=${TRANSFORMERS_WHEEL:-"transformers==5.24.*"}
+PACKAGES="$TRANSFORMERS_WHEEL trl accelerate peft math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
 xxhash pandas $DATASETS_WHEELS"
 
 if [ "${1:-}" = prep ]; then
@@ -100,36 +106,53 @@ step() {
     return $code
 }
 
-# 1. Install the carried wheels of what is missing (no network, no dependencies); this package
-# is imported from the tree.
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# 1. Install the carried wheels of what is missing or older (no network, no dependencies) into
+# $SITE, first on the path; this package is imported from the tree.
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
     nvidia-smi 2>&1 | head -15
     $PYTHON -c 'import sys, torch, transformers, huggingface_hub as hub; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available()); print("transformers", transformers.__version__, "huggingface_hub", hub.__version__)'
 } > "$OUT/environment.txt" 2>&1
 install() {
-    # One pip call for the wheels of distributions that are not installed yet.
+    # One pip call for the wheels of distributions that are missing or older than carried.
     missing=$($PYTHON - "$WHEELS" <<'PY'
 import glob, importlib.metadata, os, sys
+from packaging.version import Version
 for wheel in sorted(glob.glob(os.path.join(sys.argv[1], "*.whl"))):
+    name, version = os.path.basename(wheel).split("-")[:2]
     try:
-        importlib.metadata.distribution(os.path.basename(wheel).split("-")[0])
-        print(f"kept the installed {os.path.basename(wheel)}", file=sys.stderr)
+        installed = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed is not None and Version(installed) >= Version(version):
+        print(f"kept the installed {name} {installed} (carried: {version})", file=sys.stderr)
+    else:
         print(wheel)
 PY
 )
-    [ -z "$missing" ] || $PYTHON -m pip install -q --no-index --no-deps $missing || return 1
-    $PYTHON -c 'import trl, datasets, peft, accelerate, math_verify, trl_grpo_ext; print("imports ok")'
+    [ -z "$missing" ] || $PYTHON -m pip install -q --no-index --no-deps --no-compile \
+        --upgrade --target "$SITE" $missing || return 1
+    $PYTHON -c 'import trl, datasets, peft, accelerate, math_verify, transformers, trl_grpo_ext; print("imports ok, transformers", transformers.__version__)'
 }
-step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON install" || {
+step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON SITE=$SITE install" || {
     log "the install failed; see $OUT/install.log"
     exit 1
 }
 $PYTHON -m pip list > "$OUT/pip_list.txt" 2>&1
 has() { $PYTHON -c "import $1" 2>/dev/null; }
 
-# 2. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
+# 2. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
+step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
+    --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
+
+# 3. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
+# adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
+# finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
+# blocks in the packed rows, the head's backward pass from kept probabilities.
+step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
+    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 2
+
+# 4. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
 # evaluation of 8 problems before and after, and once in between.
 for preset in $PRESETS; do
     name=$(basename "$preset" .yaml)
@@ -143,17 +166,6 @@ for preset in $PRESETS; do
         $recipe --config "$preset" --max_steps 2 --logging_steps 1 --save_strategy no \
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 done
-
-# 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
-step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
-    --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
-
-# 4. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
-# adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
-# finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
-# blocks in the packed rows, the head's backward pass from kept probabilities.
-step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
-    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 2
 
 # 5. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
 # sharding code paths, bf16 mixed precision, the periodic evaluation and saving.
