@@ -13,7 +13,8 @@
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
 # On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT, LEVERS_TIMEOUT and PRESETS
-# override the defaults; SMOKE_ARGS adds arguments to every smoke run. DRY_RUN=1 writes each
+# override the defaults; SKIP="levers sharded-fsdp" leaves out the steps it names; SMOKE_ARGS adds
+# arguments to every smoke run. DRY_RUN=1 writes each
 # step's command to $OUT/commands.sh instead of running it (tests/test_gpu_presets.py parses
 # them). docs/benchmarks.md, "A GPU session".
 set -u
@@ -83,6 +84,11 @@ log() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$OUT/session.log"; 
 step() {
     local name=$1 limit=$2
     shift 2
+    case " ${SKIP:-} " in *" $name "*)
+        log "skip $name (SKIP)"
+        echo "$name,skipped,0" >> "$OUT/summary.csv"
+        return 0 ;;
+    esac
     local left=$(( SESSION_SECONDS - ($(date +%s) - started) ))
     if [ "$left" -lt 20 ]; then
         log "skip $name: the session's time is spent"

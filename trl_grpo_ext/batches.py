@@ -46,7 +46,7 @@ def training_tensors(
     if rollout.tool_mask is not None:  # tool results are read, never trained on
         completion_mask = completion_mask * rollout.tool_mask.to(device)
     tensors = {
-        "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).to(device),
+        "input_ids": torch.cat([rollout.prompt_ids.to(device), rollout.completion_ids.to(device)], 1),
         "attention_mask": attention_mask,
         "completion_ids": rollout.completion_ids.to(device),
         "completion_mask": completion_mask,

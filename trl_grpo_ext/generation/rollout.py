@@ -16,7 +16,8 @@ from .images import PER_TOKEN_FIELDS, concat_rows, select_rows
 
 @dataclass
 class Rollout:
-    """One generation batch of `num_prompts * group_size` completions.
+    """One generation batch of `num_prompts * group_size` completions. Its tensors are on the
+    CPU, whichever device sampled it (`assemble_rollout`); `batches.training_tensors` moves them.
 
     Attributes:
         prompts (`list`): the prompt of each completion (string or message list), repeated per group.
@@ -255,8 +256,8 @@ def assemble_rollout(
     rollout = Rollout(
         prompts=prompts,
         completions=completions,
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
+        prompt_ids=prompt_ids.cpu(),  # the engine's are on the model's device
+        prompt_mask=prompt_mask.cpu(),
         completion_ids=right_padded(completion_ids, pad_token_id, torch.long),  # (N, T)
         completion_mask=(positions < lengths.unsqueeze(1)).long(),  # (N, T)
         is_truncated=~torch.tensor(ended, dtype=torch.bool).reshape(-1),
@@ -265,7 +266,7 @@ def assemble_rollout(
         behaviour_logps=behaviour,
         policy_version=version,
         tool_mask=None if tool_mask is None else right_padded(tool_mask, 1, torch.long),
-        image_inputs=image_inputs,
+        image_inputs=None if image_inputs is None else {k: v.cpu() for k, v in image_inputs.items()},
     )
     if pad_to_multiple_of:
         rollout = pad_rollout(rollout, pad_to_multiple_of, pad_token_id)
