@@ -147,18 +147,21 @@ step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON S
 $PYTHON -m pip list > "$OUT/pip_list.txt" 2>&1
 has() { $PYTHON -c "import $1" 2>/dev/null; }
 
-# 2. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
+# 2. The CUDA tests (tests/test_cuda.py): LoRA training in bf16 on the GPU, a few seconds.
+step cuda-tests 90 $PYTHON -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
+
+# 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
 
-# 3. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
+# 4. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
 # adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
 # finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
 # blocks in the packed rows, the head's backward pass from kept probabilities.
 step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
     --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 2
 
-# 4. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
+# 5. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
 # evaluation of 8 problems before and after, and once in between.
 for preset in $PRESETS; do
     name=$(basename "$preset" .yaml)
@@ -173,7 +176,7 @@ for preset in $PRESETS; do
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 done
 
-# 5. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
+# 6. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
 # sharding code paths, bf16 mixed precision, the periodic evaluation and saving.
 preset=recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml
 for config in fsdp deepspeed_zero3; do

@@ -128,3 +128,17 @@ def test_filler_rows_get_no_gradient():
     tensors = training_tensors(rollout, torch.zeros(4), torch.device("cpu"), trainable=trainable)
     assert tensors["completion_mask"].sum(1).tolist() == [1, 2, 0, 0]
     assert "behaviour_logps" not in tensors
+
+
+def test_training_tensors_move_every_field_before_combining_them():
+    """A rollout's tensors may sit on another device than the model's (an engine's prompt ids on
+    the GPU, the completions on the CPU): each field moves to `device` before any concatenation.
+    "meta" stands in for the GPU here; tests/test_cuda.py trains on a real one."""
+    rollout = rollout_of(["a", "b"])
+    rollout.prompt_ids = rollout.prompt_ids.to("meta")
+    rollout.behaviour_logps = torch.zeros(4, 3)
+    tensors = training_tensors(
+        rollout, torch.zeros(4), torch.device("meta"), trainable=torch.ones(4, dtype=torch.bool)
+    )
+    assert {name: t.device.type for name, t in tensors.items()} == dict.fromkeys(tensors, "meta")
+    assert tensors["input_ids"].shape == (4, 5)

@@ -42,13 +42,14 @@ def training_tensors(
         completion_mask = completion_mask * (~rollout.is_truncated).to(device).unsqueeze(1)
     if trainable is not None:
         completion_mask = completion_mask * trainable.to(device).unsqueeze(1)
+    prompt_ids, completion_ids = rollout.prompt_ids.to(device), rollout.completion_ids.to(device)
     attention_mask = torch.cat([rollout.prompt_mask.to(device), completion_mask], 1)
     if rollout.tool_mask is not None:  # tool results are read, never trained on
         completion_mask = completion_mask * rollout.tool_mask.to(device)
     tensors = {
-        "input_ids": torch.cat([rollout.prompt_ids.to(device), rollout.completion_ids.to(device)], 1),
+        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
         "attention_mask": attention_mask,
-        "completion_ids": rollout.completion_ids.to(device),
+        "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": advantages.to(device),
     }

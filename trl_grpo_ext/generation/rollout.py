@@ -266,7 +266,7 @@ def assemble_rollout(
         behaviour_logps=behaviour,
         policy_version=version,
         tool_mask=None if tool_mask is None else right_padded(tool_mask, 1, torch.long),
-        image_inputs=None if image_inputs is None else {k: v.cpu() for k, v in image_inputs.items()},
+        image_inputs=image_inputs and {name: value.cpu() for name, value in image_inputs.items()},
     )
     if pad_to_multiple_of:
         rollout = pad_rollout(rollout, pad_to_multiple_of, pad_token_id)
