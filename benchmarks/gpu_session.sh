@@ -61,7 +61,7 @@ mkdir -p "$OUT"
 SESSION_SECONDS=${SESSION_SECONDS:-570}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
-LEVERS_TIMEOUT=${LEVERS_TIMEOUT:-150}
+LEVERS_TIMEOUT=${LEVERS_TIMEOUT:-200}
 PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
 # The GPU machine reaches no network: the presets run on the embedded tiny model and synthetic
 # problems, everything else (bf16, LoRA, gradient checkpointing, batch shapes) as they have it.
@@ -159,7 +159,7 @@ step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
 # finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
 # blocks in the packed rows, the head's backward pass from kept probabilities.
 step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
-    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 2
+    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 1
 
 # 5. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
 # evaluation of 8 problems before and after, and once in between.
