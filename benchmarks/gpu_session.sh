@@ -12,11 +12,12 @@
 # has it, and no network), transformers included, into .cache/gpu_wheels, git-ignored:
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
-# On the GPU machine, SESSION_SECONDS, SMOKE_TIMEOUT, BENCH_TIMEOUT, LEVERS_TIMEOUT and PRESETS
-# override the defaults; SKIP="levers sharded-fsdp" leaves out the steps it names; SMOKE_ARGS adds
-# arguments to every smoke run. DRY_RUN=1 writes each
-# step's command to $OUT/commands.sh instead of running it (tests/test_gpu_presets.py parses
-# them). docs/benchmarks.md, "A GPU session".
+# On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, SMOKE_TIMEOUT, BENCH_TIMEOUT,
+# LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it names, as
+# patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit two calls:
+# SKIP="levers sharded-*", then SKIP="cuda-tests benchmark smoke-*" SESSION_SECONDS=240.
+# DRY_RUN=1 writes each step's command to $OUT/commands.sh instead of running it
+# (tests/test_gpu_presets.py parses them). docs/benchmarks.md, "A GPU session".
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.cache/gpu_wheels}
@@ -60,6 +61,7 @@ mkdir -p "$OUT"
 # The whole session fits one 10-minute command; each step gets its own limit, cut to what is left.
 SESSION_SECONDS=${SESSION_SECONDS:-570}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-120}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 LEVERS_TIMEOUT=${LEVERS_TIMEOUT:-200}
 PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
@@ -84,11 +86,16 @@ log() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$OUT/session.log"; 
 step() {
     local name=$1 limit=$2
     shift 2
-    case " ${SKIP:-} " in *" $name "*)
-        log "skip $name (SKIP)"
-        echo "$name,skipped,0" >> "$OUT/summary.csv"
-        return 0 ;;
-    esac
+    local pattern patterns
+    read -ra patterns <<< "${SKIP:-}"  # no pathname expansion of the patterns
+    for pattern in "${patterns[@]}"; do
+        # shellcheck disable=SC2053  # a pattern, unquoted on purpose
+        if [[ $name == $pattern ]]; then
+            log "skip $name (SKIP)"
+            echo "$name,skipped,0" >> "$OUT/summary.csv"
+            return 0
+        fi
+    done
     local left=$(( SESSION_SECONDS - ($(date +%s) - started) ))
     if [ "$left" -lt 20 ]; then
         log "skip $name: the session's time is spent"
@@ -147,8 +154,11 @@ step install 150 bash -c "$(declare -f install); WHEELS=$WHEELS PYTHON=$PYTHON S
 $PYTHON -m pip list > "$OUT/pip_list.txt" 2>&1
 has() { $PYTHON -c "import $1" 2>/dev/null; }
 
-# 2. The CUDA tests (tests/test_cuda.py): LoRA training in bf16 on the GPU, a few seconds.
-step cuda-tests 90 $PYTHON -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
+# 2. The CUDA tests (tests/test_cuda.py: LoRA training in bf16 on the GPU) and the settings
+# matrix (every generation path, each cell two steps and a resume), which trains on the GPU where
+# there is one.
+step cuda-tests "$TESTS_TIMEOUT" $PYTHON -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
+    -n 8 tests/test_cuda.py tests/test_transformers_matrix.py
 
 # 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \

@@ -213,3 +213,26 @@ def test_the_gpu_session_runs_each_preset_with_the_recipe_its_first_line_names(t
         )
         launched[os.path.basename(preset)] = module
     assert sorted(launched) == sorted(os.path.basename(path) for path in GPU_PRESETS)
+
+
+def test_the_two_calls_of_a_gpu_session_run_every_step_once(tmp_path):
+    """The 15 minutes of a lent GPU fit two calls (docs/benchmarks.md, "A GPU session"): SKIP's
+    patterns split the steps between them, and together they run each step exactly once."""
+
+    def steps(skip: str) -> dict[str, str]:
+        out = tmp_path / skip.replace(" ", "_").replace("*", "")
+        env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "SKIP": skip}
+        script = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+        done = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        rows = (out / "summary.csv").read_text().splitlines()[1:]
+        return dict(row.split(",")[:2] for row in rows)
+
+    first, second = steps("levers sharded-*"), steps("cuda-tests benchmark smoke-*")
+    assert first.keys() == second.keys()
+    ran = {name for name, state in first.items() if state == "dry-run"}
+    ran_again = {name for name, state in second.items() if state == "dry-run"}
+    assert ran & ran_again == {"install"}
+    assert ran | ran_again == first.keys()
+    assert {"cuda-tests", "benchmark", "levers", "sharded-fsdp"} <= first.keys()
+    assert sum(name.startswith("smoke-") for name in ran) == len(GPU_PRESETS)
