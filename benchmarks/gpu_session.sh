@@ -72,7 +72,8 @@ SWAPS="--model_name_or_path tiny --tiny_warmup_max_steps 20 --dataset_name synth
 # The vision-language presets (recipes/vlm_math.py): the tiny VLM and its color task.
 VLM_SWAPS="--model_name_or_path tiny_vlm --tiny_warmup_steps 20 --dataset_name tiny_colors
 --dataset_test_split test --num_train_samples 256 --num_eval_samples 8"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Unbuffered: a step stopped at its limit leaves in its log what it had printed.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 started=$(date +%s)
 echo "step,exit_code,seconds" > "$OUT/summary.csv"
 

@@ -156,6 +156,11 @@ def _rotate(variants: dict, repeats: int, device: str, seeded_runs: bool):
             )
             with context:
                 took, result, peak = _timed(run, device)
+            # As it goes: a run stopped at its time limit (a GPU session) still leaves these.
+            print(
+                f"  {name}, {'warm-up' if repeat < 0 else f'repeat {repeat + 1}'}: {took:.2f} s",
+                flush=True,
+            )
             if repeat >= 0:
                 seconds[name].append(took)
                 results[name].append(result)
