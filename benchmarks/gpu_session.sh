@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# A first GPU session in one script: install from wheels carried with the tree, run
-# benchmarks/gpu.py (ours vs TRL, bf16, LoRA) and benchmarks/levers.py (each lever on and off),
-# then every GPU preset for 2 steps, each under a timeout (the figures first: a session cut short
-# loses smoke runs, not the benchmark), writing every log and result under $OUT as it
-# goes (a run cut short still leaves its figures).
+# A first GPU session in one script: install from wheels carried with the tree, run the CUDA
+# tests, benchmarks/gpu.py (ours vs TRL, bf16, LoRA), benchmarks/profile_step.py (where a step of
+# each goes), every GPU preset for 2 steps, benchmarks/levers.py (each lever on and off) and
+# FSDP2, each under a timeout (the figures first: a session cut short loses smoke runs, not the
+# benchmark), writing every log and result under $OUT as it goes (a run cut short still leaves
+# its figures).
 #
 #   bash benchmarks/gpu_session.sh prep         # here, with PyPI: wheels into .cache/gpu_wheels
 #   OUT=/some/folder bash benchmarks/gpu_session.sh      # on the GPU machine, repository root
@@ -12,10 +13,10 @@
 # has it, and no network), transformers included, into .cache/gpu_wheels, git-ignored:
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
-# On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, SMOKE_TIMEOUT, BENCH_TIMEOUT,
-# LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it names, as
+# On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT,
+# SMOKE_TIMEOUT, LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it names, as
 # patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit two calls:
-# SKIP="levers sharded-*", then SKIP="cuda-tests benchmark smoke-*" SESSION_SECONDS=240.
+# SKIP="levers sharded-*", then SKIP="cuda-tests benchmark profile smoke-*" SESSION_SECONDS=240.
 # DRY_RUN=1 writes each step's command to $OUT/commands.sh instead of running it
 # (tests/test_gpu_presets.py parses them). docs/benchmarks.md, "A GPU session".
 set -u
@@ -63,6 +64,7 @@ SESSION_SECONDS=${SESSION_SECONDS:-570}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-120}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
 LEVERS_TIMEOUT=${LEVERS_TIMEOUT:-200}
 PRESETS=${PRESETS:-$(ls recipes/configs/*.yaml | grep -v _cpu.yaml)}
 # The GPU machine reaches no network: the presets run on the embedded tiny model and synthetic
@@ -165,12 +167,10 @@ step cuda-tests "$TESTS_TIMEOUT" $PYTHON -m pytest -q -p no:cacheprovider -m "gp
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
 
-# 4. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
-# adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
-# finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
-# blocks in the packed rows, the head's backward pass from kept probabilities.
-step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
-    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 1
+# 4. Where one step of each trainer goes at that shape (benchmarks/profile_step.py): sampling,
+# log-probs, forward, backward, optimizer, the GPU waited for around each phase.
+step profile "$PROFILE_TIMEOUT" $PYTHON benchmarks/profile_step.py --shape qwen2.5-0.5b \
+    --device cuda --steps 1 --trl
 
 # 5. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
 # evaluation of 8 problems before and after, and once in between.
@@ -187,7 +187,14 @@ for preset in $PRESETS; do
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 done
 
-# 6. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
+# 6. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
+# adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
+# finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
+# blocks in the packed rows, the head's backward pass from kept probabilities.
+step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
+    --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 1
+
+# 7. With time left: FSDP2 and (when the machine has DeepSpeed) ZeRO-3 in one process on the GPU:
 # sharding code paths, bf16 mixed precision, the periodic evaluation and saving.
 preset=recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml
 for config in fsdp deepspeed_zero3; do

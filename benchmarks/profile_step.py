@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_step.py --model tiny --steps 3
     .venv/bin/python benchmarks/profile_step.py --model smollm2 --steps 1 --trl
+    python benchmarks/profile_step.py --shape qwen2.5-0.5b --device cuda --steps 1 --trl  # a GPU
 
 The trainer is built exactly as `vs_trl.py` builds it (`_common._build_trainer`) and trained for
 `--warmup-steps + --steps` steps; timers wrapped around its phases give each measured step's
@@ -11,6 +12,11 @@ pass, the optimizer, logging, and what is left ("other": the Trainer's loop, adv
 metrics, bookkeeping). Shares of the step, not seconds, are what compare across runs on a busy
 machine. `--trl` splits `trl.GRPOTrainer`'s step the same way (sampling, rewards, forward,
 backward, optimizer), in this process after ours.
+
+`--shape` profiles `gpu.py`'s case instead (a random model of that shape, 8 prompts x 8
+completions of 256 tokens, gradient checkpointing), on `--device` in `--dtype` (bf16 by
+default there); on CUDA every phase waits for the device before and after, so each phase's
+kernels count in it rather than in the next phase that waits.
 """
 
 from __future__ import annotations
@@ -26,12 +32,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+from gpu import parse_shape  # noqa: E402
+
+# gpu.py's step: 8 prompts x 8 completions of 256 tokens, micro-batches of 8, checkpointing.
+GPU_CASE = {
+    "num_prompts": 8,
+    "num_generations": 8,
+    "max_completion_length": 256,
+    "micro_batch": 8,
+    "gradient_checkpointing": True,
+    "system_prompt": True,
+}
 
 
 class PhaseTimer:
     """Seconds spent in named phases, per optimizer step; nested phases are not subtracted."""
 
-    def __init__(self):
+    def __init__(self, synchronize=None):
+        self.synchronize = synchronize or (lambda: None)  # waits for the device's queued work
         self.current: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.steps: list[dict[str, float]] = []
@@ -41,10 +59,12 @@ class PhaseTimer:
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            self.synchronize()
             started = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
+                self.synchronize()
                 self.current[phase] += time.perf_counter() - started
                 self.counts[phase] += 1
 
@@ -114,7 +134,7 @@ def profile(spec: dict, which: str) -> PhaseTimer:
     dataset = _common.prompt_dataset(
         steps * spec["num_prompts"], spec["difficulty"], spec["system_prompt"]
     )
-    timer = PhaseTimer()
+    timer = PhaseTimer(torch.cuda.synchronize if spec["device"] == "cuda" else None)
 
     class StepEnd(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -193,10 +213,25 @@ def main(argv=None) -> dict[str, PhaseTimer]:
         choices=sorted(_common.REWARDS),
         help="shaped (vs_trl.py's) or binary (most groups then carry no learning signal)",
     )
+    parser.add_argument("--shape", default=None, help="gpu.py's case: " + parse_shape.__doc__)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
-    model_dir = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}[args.model]()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("No CUDA device; run with --device cpu.")
+    case = {"device": args.device, "dtype": args.dtype or "float32"}
+    if args.shape:  # gpu.py's case (its spec), bf16 unless asked otherwise
+        case = {**GPU_CASE, "device": args.device, "dtype": args.dtype or "bfloat16"}
+        model_dir = _common.random_model_dir(parse_shape(args.shape), case["dtype"])
+    else:
+        models = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}
+        model_dir = models[args.model]()
     with tempfile.TemporaryDirectory(prefix="profile-step-") as output_dir:
         spec = {
+            **case,
             "model_dir": model_dir,
             "output_dir": output_dir,
             "steps": args.steps,

@@ -267,6 +267,17 @@ def test_profile_step_splits_a_step_of_each_trainer(capsys):
     assert "| sampling (generate) |" in table and "| other (loop" in table
 
 
+def test_profile_step_takes_the_gpu_benchmarks_case_by_its_shape(capsys):
+    """`--shape` profiles gpu.py's step (8 x 8 completions of 256 tokens, micro-batches of 8)
+    on a random model of that shape; a GPU session runs it with the Qwen2.5-0.5B shape."""
+    module = load("profile_step")
+    timers = module.main(["--shape", "tiny", "--steps", "1", "--dtype", "float32"])
+    assert timers["ours"].counts["micro-batches"] == 2 * 8  # warm-up and measured step
+    assert timers["ours"].counts["sampling"] == 2
+    with pytest.raises(SystemExit, match="unknown key"):
+        module.main(["--shape", "depth=3"])
+
+
 def test_merged_sampling_draws_the_same_tokens_as_unmerged(capsys):
     report = load("merged_sampling").main(["--model", "tiny", "--repeats", "1"])
     assert report["tokens"]["ours, merged"] == report["tokens"]["ours, unmerged"]
