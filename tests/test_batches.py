@@ -1,7 +1,9 @@
 """From rollouts to what the Trainer's loop trains on: dynamic sampling's choice of groups, and
 the micro-batches with the token count of their optimizer step. Checked against hand counts."""
 
+import pytest
 import torch
+from datasets import Dataset
 
 from trl_grpo_ext.batches import split_micro_batches, training_tensors
 from trl_grpo_ext.dynamic_sampling import random_rows, sample_informative
@@ -101,6 +103,19 @@ def test_random_rows_are_reproducible_per_seed():
     dataset = [{"i": i} for i in range(100)]
     assert random_rows(dataset, 5, seed=3) == random_rows(dataset, 5, seed=3)
     assert random_rows(dataset, 5, seed=3) != random_rows(dataset, 5, seed=4)
+
+
+def test_random_rows_of_a_stream_are_a_seeded_shuffle_of_it():
+    rows = [{"i": i} for i in range(100)]
+    stream = Dataset.from_list(rows).to_iterable_dataset()
+    drawn = random_rows(stream, 5, seed=3)
+    assert drawn == random_rows(stream, 5, seed=3) != random_rows(stream, 5, seed=4)
+    assert len({row["i"] for row in drawn}) == 5 and all(row in rows for row in drawn)
+    assert drawn != rows[:5]  # shuffled, not the stream's first rows
+    short = Dataset.from_list(rows[:2]).to_iterable_dataset()
+    assert sorted(row["i"] for row in random_rows(short, 5, seed=0)) == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="empty stream"):
+        random_rows(stream.filter(lambda row: False), 2, seed=0)
 
 
 def test_micro_batches_carry_the_token_count_of_their_optimizer_step():

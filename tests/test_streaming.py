@@ -1,8 +1,8 @@
 """A streaming dataset (`load_dataset(..., streaming=True)`, a `datasets.IterableDataset`) as
 `train_dataset` or `eval_dataset`, as `trl.GRPOTrainer` takes it: the same generation batches
 as the same rows in a `Dataset` and as TRL's when unshuffled, a seeded shuffle reseeded each
-epoch, exact resumes, asynchronous rollouts, evaluation, and a clear error where a stream
-cannot serve."""
+epoch, exact resumes, asynchronous rollouts, dynamic sampling, evaluation, and a clear error
+where a stream cannot serve."""
 
 import pytest
 import torch
@@ -100,10 +100,45 @@ def test_a_streaming_eval_dataset_evaluates_as_the_same_rows_in_a_dataset(tmp_pa
     assert results[0] == results[1] and "eval_reward" in results[0]
 
 
+def test_dynamic_sampling_draws_from_the_stream_and_resumes_as_it_ran(tmp_path):
+    """Only the groups of prompts that start with 0 have rewards that differ: the others are
+    dropped and more prompts are drawn from the stream (a seeded shuffle of it, read again for
+    each draw), and a resumed run draws the same ones."""
+    drawn = {"straight": [], "resumed": []}
+
+    def informative_if_zero_first(name):
+        def reward(completions, prompts, **kwargs):
+            drawn[name].append(list(prompts[::4]))
+            return [
+                float(len(c) % 2) if p.startswith("0") else 0.0
+                for c, p in zip(completions, prompts)
+            ]
+
+        return reward
+
+    config = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=3, dynamic_sampling=True)
+    runs = {}
+    for name in drawn:
+        runs[name] = make_trainer(
+            tmp_path / name,
+            dataset=digit_sums().to_iterable_dataset(),
+            reward_funcs=informative_if_zero_first(name),
+            **config,
+        )
+    runs["straight"].train()
+    rounds = [entry["dynamic_sampling/rounds"] for entry in runs["straight"].state.log_history
+              if "dynamic_sampling/rounds" in entry]  # fmt: skip
+    assert len(rounds) == 4 and sum(rounds) > 0  # prompts were drawn beyond the batches
+    assert len(drawn["straight"]) == 4 + sum(rounds)
+    assert {p for batch in drawn["straight"] for p in batch} <= set(digit_sums()["prompt"])
+    runs["resumed"].train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    assert drawn["resumed"] == drawn["straight"][-len(drawn["resumed"]) :]
+    first, second = trained(runs["straight"]), trained(runs["resumed"])
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
 def test_where_a_stream_cannot_serve_the_error_says_what_to_do(tmp_path):
     stream = Dataset.from_list([{"prompt": "1+1="}] * 8).to_iterable_dataset()
-    with pytest.raises(ValueError, match="dynamic_sampling draws its extra prompts at random"):
-        make_trainer(tmp_path, dataset=stream, dynamic_sampling=True)
     with pytest.raises(ValueError, match="max_steps"):  # a stream has no length
         make_trainer(tmp_path, dataset=stream, max_steps=-1).train()
     short = Dataset.from_list([{"prompt": "1+1="}]).to_iterable_dataset()

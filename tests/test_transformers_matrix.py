@@ -75,9 +75,6 @@ REFUSED = {
     (("rollouts", "rollout_func"), ("max_staleness", 1)): (
         r"rollout_func samples in the training process: unset max_staleness"
     ),
-    (("dynamic_sampling", True), ("dataset", "stream")): (
-        r"dynamic_sampling draws its extra prompts at random from train_dataset"
-    ),
 }
 DEADLINE_SECONDS = 120
 

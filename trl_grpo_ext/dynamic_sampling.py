@@ -9,16 +9,29 @@ batch, marked as not trainable.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
+import datasets
 import torch
 
 from .generation.rollout import Rollout, concat_rollouts
 from .objective import weighted_rewards
 
 
-def random_rows(dataset, count: int, seed: int) -> list[dict]:
-    """`count` rows of `dataset` drawn with replacement, reproducibly from `seed`."""
+def random_rows(dataset, count: int, seed: int, buffer_size: int = 1000) -> list[dict]:
+    """`count` rows of `dataset`, reproducibly from `seed`: from a `Dataset`, drawn with
+    replacement; from a stream (`datasets.IterableDataset`), which has no random access, the
+    first `count` rows of a shuffle of it seeded with `seed` (its shards in a seeded order, its
+    rows through a buffer of `buffer_size`), read again for each draw and repeated in turn when
+    the stream has fewer. Nothing depends on what was drawn before, so a resumed run draws the
+    same rows."""
+    if isinstance(dataset, datasets.IterableDataset):
+        shuffled = dataset.shuffle(seed=seed, buffer_size=buffer_size)
+        rows = [dict(row) for row in itertools.islice(shuffled, count)]
+        if not rows:
+            raise ValueError("dynamic_sampling drew prompts from train_dataset, an empty stream.")
+        return [rows[i % len(rows)] for i in range(count)]
     draw = torch.Generator().manual_seed(seed)
     return [dataset[i] for i in torch.randint(len(dataset), (count,), generator=draw).tolist()]
 

@@ -119,13 +119,3 @@ def train_dataloader(dataset, args) -> DataLoader:
         )
     sampler = GenerationBatchSampler(num_rows=len(dataset), **batches)
     return EpochDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
-
-
-def check_stream(dataset, args) -> None:
-    """Fails on settings a streaming train_dataset cannot serve."""
-    if args.dynamic_sampling and isinstance(dataset, datasets.IterableDataset):
-        raise ValueError(
-            "dynamic_sampling draws its extra prompts at random from train_dataset, which a "
-            "streaming dataset cannot give: set dynamic_sampling=False, or load the dataset "
-            "without streaming=True."
-        )

@@ -67,7 +67,7 @@ from .objective import (
 )
 from .off_policy import behaviour_correction
 from .resume_weights import FullWeightsMixin
-from .sampler import check_stream, collate_rows, train_dataloader
+from .sampler import collate_rows, train_dataloader
 from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
@@ -175,7 +175,6 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             )
         for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
-        check_stream(train_dataset, args)
         datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
         preparation.check_images(processing_class, datasets, args, rollout_func)
 
