@@ -81,6 +81,23 @@ def test_each_group_stays_on_one_process(runs):
         assert not set(per_process[0]) & set(per_process[1])  # no prompt on both processes
 
 
+@pytest.mark.parametrize("data", ["rows", "stream"])
+def test_dynamic_sampling_rounds_take_every_process(tmp_path, data):
+    """A process whose groups all carry a learning signal still samples in the rounds another
+    process needs (each round's sampling and the gradient are collective): both score the same
+    number of batches, and they end with the same weights."""
+    options = ["stream", "dynamic"] if data == "stream" else ["dynamic"]
+    results, calls = run(tmp_path / data, 2, 8, *options)
+    assert results[0]["weights"] == pytest.approx(results[1]["weights"], rel=1e-6)
+    rounds = [entry["dynamic_sampling/rounds"] for entry in results[0]["log"]
+              if "dynamic_sampling/rounds" in entry]  # fmt: skip
+    assert len(rounds) == 3 and sum(rounds) > 0
+    # Each process scores once per round, in each reward function's calls file; per step.
+    for step in range(3):
+        per_process = [sum(call["step"] == step for call in calls[rank]) for rank in (0, 1)]
+        assert per_process[0] == per_process[1] >= 1
+
+
 def test_two_processes_share_out_a_stream(tmp_path):
     """Each process reads the whole (shuffled) stream and keeps its own slice of each
     generation batch: whole groups on one process, no prompt on both, none twice in the epoch,
