@@ -7,8 +7,9 @@ where a stream cannot serve."""
 import pytest
 import torch
 import trl
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from packaging.version import Version
+from PIL import Image
 from trainer_helpers import digit_sums, make_trainer
 
 from trl_grpo_ext.tiny import save_tiny
@@ -135,6 +136,29 @@ def test_dynamic_sampling_draws_from_the_stream_and_resumes_as_it_ran(tmp_path):
     assert drawn["resumed"] == drawn["straight"][-len(drawn["resumed"]) :]
     first, second = trained(runs["straight"]), trained(runs["resumed"])
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_a_stream_is_read_once_at_construction_and_judged_by_its_first_row(tmp_path):
+    """`map` on a stream leaves its columns unknown: the checks read its first row, once (a
+    stream from the Hub is a request each time), and judge the columns by it."""
+    reads = []
+
+    def rows(prompt_key="prompt", image=False):
+        reads.append(prompt_key)
+        for a in range(3):
+            row = {prompt_key: [{"role": "user", "content": f"{a}+1="}]}
+            yield {**row, "image": Image.new("RGB", (8, 8))} if image else row
+
+    stream = IterableDataset.from_generator(rows).map(lambda row: row)
+    assert stream.column_names is None
+    make_trainer(tmp_path, dataset=stream, max_steps=1)
+    assert reads == ["prompt"]
+    renamed = IterableDataset.from_generator(rows, gen_kwargs={"prompt_key": "question"})
+    with pytest.raises(ValueError, match=r"no 'prompt' column; it has \['question'\]"):
+        make_trainer(tmp_path, dataset=renamed.map(lambda row: row))
+    with_images = IterableDataset.from_generator(rows, gen_kwargs={"image": True})
+    with pytest.raises(ValueError, match="has images, but processing_class is a tokenizer"):
+        make_trainer(tmp_path, dataset=with_images.map(lambda row: row))
 
 
 def test_where_a_stream_cannot_serve_the_error_says_what_to_do(tmp_path):

@@ -29,7 +29,6 @@ from .generation.images import (
     text_tokenizer,
 )
 from .generation.producer import RolloutProducer
-from .generation.prompts import first_row
 from .hub import is_peft_model
 from .rewards.model import RewardModel, resolve_reward_models
 from .scoring import resolve_reward_funcs, reward_func_list, reward_name, reward_weights
@@ -73,12 +72,16 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     return built
 
 
-def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, rollout_func):
+def check_images(
+    processing_class, datasets: dict, first_rows: dict, args: GroupRelativeConfig, rollout_func
+):
     """Fails at construction when a dataset has images (`image`/`images` columns, or image parts
     in its prompts) that the run would drop, training on the text alone: with a tokenizer as
-    `processing_class`, or with a path that does not carry images yet (`images_unsupported`)."""
+    `processing_class`, or with a path that does not carry images yet (`images_unsupported`).
+    `first_rows`: each split's first row, as `check_prompt_dataset` read it (None if none)."""
     for split, dataset in datasets.items():
-        if dataset is None or not dataset_has_images(dataset):
+        first = first_rows.get(split)
+        if dataset is None or not dataset_has_images(dataset, first):
             continue
         if not is_processor(processing_class):
             raise ValueError(
@@ -89,8 +92,7 @@ def check_images(processing_class, datasets: dict, args: GroupRelativeConfig, ro
             )
         if rollout_func is not None:
             raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
-        first = first_row(dataset) if "prompt" in dataset.column_names else None
-        if first is not None:
+        if first is not None and "prompt" in first:
             prompt_with_images(first)  # conversational, each image part with its image
         unsupported = images_unsupported(args)
         if unsupported:

@@ -173,10 +173,14 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             train_dataset = preparation.environment_dataset(
                 train_dataset, environment_factory, args
             )
-        for split, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_prompt_dataset(processing_class, dataset, split, environment_factory is None)
         datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
-        preparation.check_images(processing_class, datasets, args, rollout_func)
+        first_rows = {
+            split: check_prompt_dataset(
+                processing_class, dataset, split, environment_factory is None
+            )
+            for split, dataset in datasets.items()
+        }
+        preparation.check_images(processing_class, datasets, first_rows, args, rollout_func)
 
         engine_folder = preparation.colocated_engine_folder(model, processing_class, args)
         model, self.ref_model = prepare_policy(model, args, peft_config)

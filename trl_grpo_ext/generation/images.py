@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from .prompts import first_row
-
 IMAGE_COLUMNS = ("images", "image")
 PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
 COUNT = ":count"  # suffix of the entry counts of a per-image field
@@ -76,14 +74,14 @@ def row_images(row: dict) -> list | None:
     return None
 
 
-def dataset_has_images(dataset) -> bool:
+def dataset_has_images(dataset, first: dict | None) -> bool:
     """Whether a dataset carries images: an `image` or `images` column, or image parts in its
-    first row's prompt."""
-    columns = getattr(dataset, "column_names", None) or []
+    first row's prompt (`first`, as `prompts.check_prompt_dataset` read it; its keys are the
+    columns of a stream whose columns are unknown)."""
+    columns = getattr(dataset, "column_names", None) or list(first or [])
     if any(column in columns for column in IMAGE_COLUMNS):
         return True
-    first = first_row(dataset) if "prompt" in columns else None
-    return first is not None and has_image_parts(first["prompt"])
+    return first is not None and has_image_parts(first.get("prompt"))
 
 
 def rows_have_images(rows: list[dict]) -> bool:

@@ -56,20 +56,27 @@ def check_tokens(prompt_mask: torch.Tensor, texts: list[str]) -> None:
 
 def check_prompt_dataset(
     tokenizer, dataset, split: str = "train_dataset", needs_prompt: bool = True
-) -> None:
+) -> dict | None:
     """Fails early on a dataset without a `prompt` column (unless an environment's `reset`
     supplies the prompts: `needs_prompt=False`), or with conversational prompts and a tokenizer
-    without a chat template."""
+    without a chat template. Returns the first row it read, for the other checks (None when it
+    read none): a stream is read once, and one whose columns are unknown (`map` on a stream
+    leaves them so) is judged by its first row's.
+    """
     columns = getattr(dataset, "column_names", None)
+    unknown = columns is None and isinstance(dataset, IterableDataset)
+    first = first_row(dataset) if unknown or "prompt" in (columns or []) else None
+    if unknown and first is not None:
+        columns = list(first)
     if needs_prompt and columns is not None and "prompt" not in columns:
         raise ValueError(
             f"{split} has no 'prompt' column; it has {columns}. Rename the column that "
             "holds the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
-    first = first_row(dataset) if "prompt" in (columns or []) else None  # read once
-    if first is not None:
+    if first is not None and "prompt" in first:
         check_prompts([first["prompt"]])  # the first row: a wrong format fails at once
         check_chat_template(tokenizer, first, split)
+    return first
 
 
 def first_row(dataset) -> dict | None:
