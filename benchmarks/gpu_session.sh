@@ -161,7 +161,7 @@ has() { $PYTHON -c "import $1" 2>/dev/null; }
 # matrix (every generation path, each cell two steps and a resume), which trains on the GPU where
 # there is one.
 step cuda-tests "$TESTS_TIMEOUT" $PYTHON -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
-    -n 8 tests/test_cuda.py tests/test_transformers_matrix.py
+    $(has xdist && echo "-n 8") tests/test_cuda.py tests/test_transformers_matrix.py
 
 # 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
