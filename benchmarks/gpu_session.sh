@@ -14,8 +14,8 @@
 # carry that folder with the tree. PYTHON_VERSION (e.g. 3.12) picks the GPU machine's Python for
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
 # On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT,
-# SMOKE_TIMEOUT, LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it names, as
-# patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit two calls:
+# SMOKE_TIMEOUT, LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it
+# names, as patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit two calls:
 # SKIP="levers sharded-*", then SKIP="cuda-tests benchmark profile smoke-*" SESSION_SECONDS=240.
 # DRY_RUN=1 writes each step's command to $OUT/commands.sh instead of running it
 # (tests/test_gpu_presets.py parses them). docs/benchmarks.md, "A GPU session".
@@ -26,7 +26,7 @@ PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 # Carried wheels install here, ahead of the machine's own packages on the path.
 SITE=${SITE:-/tmp/gpu_session_site}
 
-# Beyond torch and transformers; --no-deps, so each package's own dependencies are listed too.
+# Beyond torch; --no-deps, so each package's own dependencies are listed too.
 # datasets 4.7 (the oldest supported) takes pyarrow 21, whose wheel is 6-13 MB smaller than newer
 # ones: with it everything fits in the 64 MiB that travel with the tree. It needs
 # huggingface_hub < 2 (and its httpx); for a machine with huggingface_hub 2, prep with
@@ -36,8 +36,8 @@ DATASETS_WHEELS=${DATASETS_WHEELS:-"datasets==4.7.* pyarrow==21.* dill<0.4.1 mul
 # The GPU image has transformers 5.17 (below our 5.19) with huggingface_hub 1.33: 5.24 is the
 # newest transformers that takes a huggingface_hub below 2.
 TRANSFORMERS_WHEEL=${TRANSFORMERS_WHEEL:-"transformers==5.24.*"}
-PACKAGES="$TRANSFORMERS_WHEEL trl accelerate peft math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
-xxhash pandas $DATASETS_WHEELS"
+PACKAGES="$TRANSFORMERS_WHEEL trl accelerate peft math-verify latex2sympy2_extended
+antlr4-python3-runtime==4.13.2 xxhash pandas $DATASETS_WHEELS"
 
 if [ "${1:-}" = prep ]; then
     mkdir -p "$WHEELS"
