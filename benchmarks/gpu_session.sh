@@ -15,8 +15,9 @@
 # the compiled wheels; SKIP_WHEELS="pyarrow pandas" leaves out packages it already has.
 # On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT,
 # SMOKE_TIMEOUT, LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it
-# names, as patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit two calls:
-# SKIP="levers sharded-*", then SKIP="cuda-tests benchmark profile smoke-*" SESSION_SECONDS=240.
+# names, as patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit
+# two calls: SKIP="levers sharded-*", then SKIP="cuda-tests benchmark profile smoke-*"
+# SESSION_SECONDS=240.
 # DRY_RUN=1 writes each step's command to $OUT/commands.sh instead of running it
 # (tests/test_gpu_presets.py parses them). docs/benchmarks.md, "A GPU session".
 set -u
