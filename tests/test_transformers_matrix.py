@@ -2,8 +2,8 @@
 the generation path and around it (how rollouts are made, asynchronous rollouts, the generation
 batch, iterations, the reference model, dynamic sampling, evaluation during training, LoRA,
 gradient checkpointing, truncated completions, logged completions, the loss, the rewards'
-scaling, sampling settings, importance sampling's level, a streaming dataset, bf16 mixed
-precision) meets in at least
+scaling, sampling settings, importance sampling's level, a streaming dataset, the precision)
+meets in at least
 one cell, and each cell trains two steps on a tiny model under a deadline. A cell passes when the run ends, with
 finite losses, rewards logged at the steps that sampled, evaluation metrics where asked, the
 base weights frozen under LoRA, no thread or process left running, and what `save_model`
@@ -17,6 +17,7 @@ import itertools
 import math
 import multiprocessing
 import random
+import tempfile
 import threading
 
 import pytest
@@ -27,6 +28,7 @@ from deadline import deadline
 from peft import PeftModel
 from PIL import Image
 from trainer_helpers import make_trainer
+from transformers.utils import logging as hf_logging
 
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 from trl_grpo_ext.tiny_vlm import tiny_vlm_and_processor
@@ -53,8 +55,9 @@ DIMENSIONS = {
     "sampling": ["plain", "filtered", "stop", "static_cache"],
     "importance_sampling_level": ["token", "sequence"],
     "dataset": ["rows", "stream"],  # a Dataset, or a streaming one (datasets.IterableDataset)
-    # float32, or bf16 mixed precision (autocast), which a GPU trains in by default
-    "precision": ["fp32", "bf16"],
+    # float32; bf16 mixed precision (autocast), which a GPU trains in by default; and that with
+    # the weights in bf16, as `dtype="auto"` loads most checkpoints of the Hub
+    "precision": ["fp32", "bf16", "bf16_weights"],
 }
 SAMPLING = {
     "plain": {},
@@ -80,6 +83,7 @@ REFUSED = {
     ),
 }
 DEADLINE_SECONDS = 120
+DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "bf16_weights": torch.bfloat16}
 
 
 def pairs(cell: dict) -> set:
@@ -131,7 +135,7 @@ def test_the_cells_cover_every_pair_of_settings_but_those_refused():
         for x, y in itertools.product(DIMENSIONS[a], DIMENSIONS[b]):
             assert (((a, x), (b, y)) in covered) != (((a, x), (b, y)) in REFUSED), (a, x, b, y)
     assert all(refusal(cell) is None for cell in CELLS)
-    assert len(CELLS) < 40  # of the 1,179,648 cells of the full product
+    assert len(CELLS) < 40  # of the 1,769,472 cells of the full product
 
 
 @pytest.mark.parametrize("refused", list(REFUSED), ids=repr)
@@ -209,10 +213,26 @@ class Adder:
 def base_model(cell: dict, tool_model):
     """The model a cell trains and its processing class, fresh."""
     if cell["rollouts"] in ("tools", "environment"):
-        return tuple(copy.deepcopy(part) for part in tool_model)
-    if cell["rollouts"] == "images":
-        return tiny_vlm_and_processor(seed=0, initializer_range=0.2)
-    return tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+        model, processing_class = (copy.deepcopy(part) for part in tool_model)
+    elif cell["rollouts"] == "images":
+        model, processing_class = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+    else:
+        model, processing_class = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    if cell["precision"] == "bf16_weights":  # as from_pretrained(dtype=...) loads it (the
+        # rotary frequencies stay float32, which `model.to(dtype)` would round)
+        # No progress bars: tqdm's monitor thread would outlive the cell's thread check.
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                model.save_pretrained(folder)
+                name = model.name_or_path  # not the folder, which is gone after the block
+                model = type(model).from_pretrained(folder, dtype=torch.bfloat16)
+                model.name_or_path = model.config._name_or_path = name
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    return model, processing_class
 
 
 def build(cell: dict, output_dir, tool_model):
@@ -231,7 +251,7 @@ def build(cell: dict, output_dir, tool_model):
         loss_type=cell["loss_type"],
         scale_rewards=cell["scale_rewards"],
         importance_sampling_level=cell["importance_sampling_level"],
-        bf16=cell["precision"] == "bf16",
+        bf16=cell["precision"] != "fp32",
         **BATCHING[cell["batching"]],
         **SAMPLING[cell["sampling"]],
     )
@@ -319,10 +339,12 @@ def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
     if cell["peft"]:
         saved = PeftModel.from_pretrained(base_model(cell, tool_model)[0], tmp_path / "final")
     else:
-        saved = type(trainer.model).from_pretrained(tmp_path / "final", dtype=torch.float32)
+        saved = type(trainer.model).from_pretrained(
+            tmp_path / "final", dtype=DTYPES[cell["precision"]]
+        )
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     # Under bf16, accelerate runs the trained model's forward in autocast: the saved one too.
-    bf16 = cell["precision"] == "bf16"
+    bf16 = cell["precision"] != "fp32"
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         expected = trainer.model.eval()(input_ids=tokens).logits.float()
         torch.testing.assert_close(saved.eval()(input_ids=tokens).logits.float(), expected)
