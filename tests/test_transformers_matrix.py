@@ -3,12 +3,11 @@ the generation path and around it (how rollouts are made, asynchronous rollouts,
 batch, iterations, the reference model, dynamic sampling, evaluation during training, LoRA,
 gradient checkpointing, truncated completions, logged completions, the loss, the rewards'
 scaling, sampling settings, importance sampling's level, a streaming dataset, the precision)
-meets in at least
-one cell, and each cell trains two steps on a tiny model under a deadline. A cell passes when the run ends, with
-finite losses, rewards logged at the steps that sampled, evaluation metrics where asked, the
-base weights frozen under LoRA, no thread or process left running, and what `save_model`
-writes loading back as the model trained; a hang fails it at the deadline with the stack of
-every thread. Each cell also runs three steps and resumes from its first checkpoint: the same
+meets in at least one cell, and each cell trains two steps on a tiny model under a deadline. A
+cell passes when the run ends, with finite losses, rewards logged at the steps that sampled,
+evaluation metrics where asked, the base weights frozen under LoRA, no thread or process left
+running, and what `save_model` writes loading back as the model trained; a hang fails it at the
+deadline with the stack of every thread. Each cell also runs three steps and resumes from its first checkpoint: the same
 weights and metrics as the run straight through. The combinations the configuration refuses
 are checked for a message that says what to change."""
 
@@ -210,6 +209,22 @@ class Adder:
         return float(self.calls)
 
 
+def loaded_in_bf16(model):
+    """`model` saved and loaded with `from_pretrained(dtype=torch.bfloat16)`, as a checkpoint of
+    the Hub loads (its rotary frequencies stay float32, which `model.to(dtype)` would round)."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # tqdm's monitor thread would outlive the thread check
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            loaded = type(model).from_pretrained(folder, dtype=torch.bfloat16)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    loaded.name_or_path = loaded.config._name_or_path = model.name_or_path  # not the folder
+    return loaded
+
+
 def base_model(cell: dict, tool_model):
     """The model a cell trains and its processing class, fresh."""
     if cell["rollouts"] in ("tools", "environment"):
@@ -218,20 +233,8 @@ def base_model(cell: dict, tool_model):
         model, processing_class = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
     else:
         model, processing_class = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
-    if cell["precision"] == "bf16_weights":  # as from_pretrained(dtype=...) loads it (the
-        # rotary frequencies stay float32, which `model.to(dtype)` would round)
-        # No progress bars: tqdm's monitor thread would outlive the cell's thread check.
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            with tempfile.TemporaryDirectory() as folder:
-                model.save_pretrained(folder)
-                name = model.name_or_path  # not the folder, which is gone after the block
-                model = type(model).from_pretrained(folder, dtype=torch.bfloat16)
-                model.name_or_path = model.config._name_or_path = name
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+    if cell["precision"] == "bf16_weights":
+        model = loaded_in_bf16(model)
     return model, processing_class
 
 
