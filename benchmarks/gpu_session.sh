@@ -60,6 +60,10 @@ fi
 
 OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT"
+# What the steps leave in the temp folder (torchrun's torchelastic_* of the FSDP step) stays
+# with the session's results.
+export TMPDIR=$(cd "$OUT" && pwd)/tmp
+mkdir -p "$TMPDIR"
 # The whole session fits one 10-minute command; each step gets its own limit, cut to what is left.
 SESSION_SECONDS=${SESSION_SECONDS:-570}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-70}
