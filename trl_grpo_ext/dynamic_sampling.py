@@ -17,9 +17,12 @@ import torch
 
 from .generation.rollout import Rollout, concat_rollouts
 from .objective import weighted_rewards
+from .sampler import SHUFFLE_BUFFER_ROWS
 
 
-def random_rows(dataset, count: int, seed: int, buffer_size: int = 1000) -> list[dict]:
+def random_rows(
+    dataset, count: int, seed: int, buffer_size: int = SHUFFLE_BUFFER_ROWS
+) -> list[dict]:
     """`count` rows of `dataset`, reproducibly from `seed`: from a `Dataset`, drawn with
     replacement; from a stream (`datasets.IterableDataset`), which has no random access, the
     first `count` rows of a shuffle of it seeded with `seed` (its shards in a seeded order, its

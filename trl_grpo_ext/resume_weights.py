@@ -75,20 +75,17 @@ class FullWeightsMixin:
     shards as before."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if (
-            self.is_deepspeed_enabled
-            or self.is_fsdp_enabled
-            or not load_full_weights(
-                model if model is not None else self.model, resume_from_checkpoint
-            )
-        ):
+        model = model if model is not None else self.model
+        if not self._loaded_full_weights(model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
-        folder = self.state.best_model_checkpoint
-        if (
-            self.is_deepspeed_enabled
-            or self.is_fsdp_enabled
-            or not load_full_weights(self.model, folder)
-        ):
+        if not self._loaded_full_weights(self.model, self.state.best_model_checkpoint):
             super()._load_best_model()
+
+    def _loaded_full_weights(self, model, folder: str) -> bool:
+        """Whether `load_full_weights` loaded `folder` into `model`; never under DeepSpeed or
+        FSDP, whose own loading reads their shards."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        return load_full_weights(model, folder)

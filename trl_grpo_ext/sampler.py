@@ -40,6 +40,10 @@ class GenerationBatchSampler(Sampler[list[int]]):
                 yield local
 
 
+# Rows of a stream's seeded shuffle buffer (`IterableDataset.shuffle`), as TRL shuffles streams.
+SHUFFLE_BUFFER_ROWS = 1000
+
+
 class StreamBatches(IterableDataset):
     """The generation batches of a streaming dataset (`datasets.IterableDataset`), as
     `GenerationBatchSampler` makes them of a map-style one: every process reads the same stream,
@@ -49,7 +53,15 @@ class StreamBatches(IterableDataset):
     """
 
     def __init__(
-        self, stream, prompts_per_batch, repeats, rank, world_size, shuffle, seed, buffer_size=1000
+        self,
+        stream,
+        prompts_per_batch,
+        repeats,
+        rank,
+        world_size,
+        shuffle,
+        seed,
+        buffer_size=SHUFFLE_BUFFER_ROWS,
     ):
         self.stream, self.prompts_per_batch, self.repeats = stream, prompts_per_batch, repeats
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
