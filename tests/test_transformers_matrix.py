@@ -345,12 +345,14 @@ def test_a_cell_of_settings_trains(cell, tmp_path, tool_model):
         saved = type(trainer.model).from_pretrained(
             tmp_path / "final", dtype=DTYPES[cell["precision"]]
         )
-    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    device = trainer.model.device  # the GPU, where there is one
+    tokens = torch.tensor([[5, 6, 7, 8, 9]], device=device)
     # Under bf16, accelerate runs the trained model's forward in autocast: the saved one too.
     bf16 = cell["precision"] != "fp32"
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         expected = trainer.model.eval()(input_ids=tokens).logits.float()
-        torch.testing.assert_close(saved.eval()(input_ids=tokens).logits.float(), expected)
+        saved = saved.to(device).eval()
+        torch.testing.assert_close(saved(input_ids=tokens).logits.float(), expected)
 
 
 def step_logs(trainer) -> list[dict]:
