@@ -157,7 +157,12 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="None: the default, 1024")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="None: the default, `logprobs.default_chunk_tokens(vocab)`",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--train-head", action="store_true", help="W requires grad too")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)

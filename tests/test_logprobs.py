@@ -190,6 +190,18 @@ def test_no_more_than_chunk_tokens_logits_exist_at_once():
     assert full.largest == 32 * vocab
 
 
+def test_by_default_a_chunk_of_logits_is_one_float32_buffer_of_128_mib():
+    # Qwen2.5's vocabulary: 220 positions a chunk, so 500 positions never have more than
+    # 220 x V logits at once (1,024 positions a chunk held 594 MiB per buffer).
+    vocab = 151_936
+    h, w, b, ids = random_inputs(batch=2, length=250, hidden=3, vocab=vocab, dtype=torch.float32)
+    w.requires_grad_(False)
+    with LargestTensor() as mode:
+        head_token_logprobs(h, w, ids, b).sum().backward()
+    assert mode.largest == 220 * vocab
+    assert 220 * vocab * 4 <= 128 * 2**20 < 221 * vocab * 4
+
+
 def test_validation():
     h, w, b, ids = random_inputs()
     with pytest.raises(ValueError, match="chunk_tokens"):

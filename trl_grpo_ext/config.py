@@ -160,7 +160,8 @@ class GroupRelativeConfig(TrainingArguments):
         metadata={
             "help": "Completion tokens per chunk of the output head and log-softmax: the extra "
             "memory of the log-prob pass is about two float32 buffers of this many tokens x the "
-            "vocabulary. None: 1024."
+            "vocabulary. None: as many as one such buffer of 128 MiB holds (220 tokens at a "
+            "vocabulary of 151,936, 682 at 49,152)."
         },
     )
     router_aux_loss_coef: float | None = field(

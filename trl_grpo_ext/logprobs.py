@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from .packed_attention import ATTENTION, attends_by_blocks, layer_kinds, register_packed_mask
 
 __all__ = [
-    "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_CHUNK_BYTES",
     "capture_head_inputs",
     "completion_logprobs",
+    "default_chunk_tokens",
     "float32_head",
     "head_token_logprobs",
     "logit_transform",
@@ -47,8 +48,16 @@ __all__ = [
     "transformers_model",
 ]
 
-# 1024 tokens x V = 151,936 is 0.6 GB per float32 buffer; the backward pass holds about three.
-DEFAULT_CHUNK_TOKENS = 1024
+# The size of one float32 buffer of a chunk's logits: the pass holds about two or three (682
+# tokens a chunk at SmolLM2's V = 49,152, 220 at Qwen's V = 151,936). On a GPU a smaller chunk
+# costs only more, smaller matmuls; on a CPU the softmax's work is the same per token.
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Positions per chunk by default: as many as one float32 buffer of `DEFAULT_CHUNK_BYTES`
+    holds (at least one)."""
+    return max(1, DEFAULT_CHUNK_BYTES // (4 * vocab_size))
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
@@ -415,9 +424,10 @@ def head_token_logprobs(
             The output head's bias, shape `(V,)`.
         temperature (`float`, *optional*, defaults to `1.0`):
             Sampling temperature tau; the logits are divided by it.
-        chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS` (1024)):
-            Positions whose logits are computed at once. Peak extra memory is about three
-            float32 buffers of `chunk_tokens * V` values (plus, when the head is trained, a
+        chunk_tokens (`int`, *optional*):
+            Positions whose logits are computed at once; None for as many as one float32 buffer
+            of `DEFAULT_CHUNK_BYTES` (128 MiB) holds (`default_chunk_tokens`). Peak extra memory
+            is about three float32 buffers of `chunk_tokens * V` values (plus, when the head is trained, a
             float32 gradient accumulator of the weight's size).
         return_entropy (`bool`, *optional*, defaults to `False`):
             Also return the entropy (in nats) of the tempered distribution at each position.
@@ -435,7 +445,9 @@ def head_token_logprobs(
         tuple `(logps, entropy)` of two such tensors when `return_entropy=True`. Both are
         differentiable with respect to `hidden_states`, `weight` and `bias`.
     """
-    chunk_tokens = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0])
+    chunk_tokens = int(chunk_tokens)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if not temperature > 0:
@@ -616,9 +628,9 @@ def completion_logprobs(
 
     Args:
         logprob_chunk_tokens (`int`, *optional*):
-            Completion positions whose logits exist at once; None for
-            `logprobs.DEFAULT_CHUNK_TOKENS` (1024). Peak extra memory is a few float32 buffers
-            of `logprob_chunk_tokens * V` values.
+            Completion positions whose logits exist at once; None for as many as one float32
+            buffer of 128 MiB holds (`logprobs.default_chunk_tokens`). Peak extra memory is a
+            few float32 buffers of `logprob_chunk_tokens * V` values.
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Compute the logits in float32 from float32 hidden states and head weight, as TRL's
             `cast_lm_head_to_fp32` (here without changing the model's parameters).
