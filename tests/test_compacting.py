@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from PIL import Image
+from transformers import CompileConfig
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
 from trl_grpo_ext.generation.compacting import _next_tokens, sample_by_inversion
@@ -267,6 +268,46 @@ def test_without_a_cache_every_row_runs_as_in_generate(tiny):
     want = sample(model, prompts, config, compact=False)
     got = sample(model, prompts, config, compact=True)
     assert_same(got, want, ends, 1)  # no prompts' cache to share: one loop samples it all
+
+
+def test_a_static_cache_decodes_with_the_compiled_forward_as_generate_does(tiny, monkeypatch):
+    """A static cache with a `compile_config` (on a GPU, a static cache alone) has `generate`
+    compile the decoding steps' forward; the engine's loop runs them through the same call."""
+    model, tokenizer = tiny
+    calls = []
+
+    def compiled_call(compile_config):  # stands in for torch.compile's wrapper
+        def call(*args, **kwargs):
+            calls.append(compile_config)
+            return model.__call__(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(model, "get_compiled_call", compiled_call, raising=False)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # as on a GPU, where a static cache compiles
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    options = dict(
+        max_new_tokens=8,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=2,
+    )
+    static = {"cache_implementation": "static"}
+    plain = sample(model, prompts, sampling_config(**options, generation_kwargs=static), True)
+    assert calls == []  # without a compile config, not on a CPU
+    config = sampling_config(
+        **options, generation_kwargs={**static, "compile_config": compile_config}
+    )
+    got = sample(model, prompts, config, compact=True)
+    # every decoding step after the prompts' pass, through the compiled call
+    assert len(calls) == got[2].shape[1] - 1
+    assert all(call._compile_all_devices for call in calls)  # the config given
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], plain[:3]))
+    calls.clear()
+    with seeded(3):
+        model.generate(input_ids=prompts[0], attention_mask=prompts[1], generation_config=config)
+    assert len(calls) == got[2].shape[1] - 1  # transformers' own loop: the same calls
 
 
 def inverse_cdf_reference(weights: list[float], uniform: float) -> int:

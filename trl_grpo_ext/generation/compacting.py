@@ -10,6 +10,8 @@ the cache's layers grow in place (`kv_room.RoomyLayer`) rather than by one conca
 step. It is passed to `generate` as `custom_generate`, so the generation config, the logits
 processors (temperature, top-k/p, min-p, repetition penalty, min_new_tokens, suppressed
 tokens, ...), the stopping criteria and the cache are built by `generate` as for any call.
+Where `generate` would compile the decoding steps' forward (a static cache on a GPU, or a
+`compile_config` that asks for it), the steps run the same compiled call.
 
 Sampling draws one uniform number per row and step, `u ~ U(0, 1)`, and takes the first token
 whose cumulative probability exceeds `u` (inverse transform sampling, in float64): the
@@ -133,6 +135,8 @@ def _has_generate_internals(model) -> bool:
         "cache" in output_fields  # before 5.24 (5.19 has `_prefill`): `past_key_values`
         and hasattr(model, "_prefill")
         and hasattr(model, "_optimize_model_for_decode")
+        and hasattr(model, "_valid_auto_compile_criteria")
+        and hasattr(model, "get_compiled_call")
         and prepare is not None
         and "next_sequence_length" in inspect.signature(prepare).parameters
     )
@@ -215,13 +219,20 @@ def compacting_sample(
         and _row_wise(logits_processor, stopping_criteria, model_kwargs)
     )
     next_sequence_length = 1 if model_kwargs.get("use_cache") else None
+    # As in `generate`: the decoding steps run a compiled forward where the cache allows it (a
+    # static cache on a GPU, or `compile_config` asking for it), whose rows never leave.
+    forward = (
+        model.get_compiled_call(generation_config.compile_config)
+        if model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        else model.__call__
+    )
     with model._optimize_model_for_decode():
         while True:
             if outputs is None:
                 model_inputs = model.prepare_inputs_for_generation(
                     sequences[running], next_sequence_length=next_sequence_length, **model_kwargs
                 )
-                outputs = model(**model_inputs, return_dict=True)
+                outputs = forward(**model_inputs, return_dict=True)
                 model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
             # (n, V); copied only where the step's raw logits are kept, as `generate` keeps them
             logits = outputs.logits[:, -1].to(copy=output_logits, dtype=torch.float32)
