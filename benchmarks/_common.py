@@ -428,6 +428,8 @@ def _build_trainer(spec: dict, dataset, timer):
     if spec["trainer"] == "trl" and "trl_engine_args" in spec:
         engine_args = spec["trl_engine_args"] or {}
     common.update(engine_args)
+    if spec.get("cache_implementation"):
+        common["cache_implementation"] = spec["cache_implementation"]
     if spec.get("fixed_lengths"):  # every completion has max_completion_length tokens, both sides
         common["generation_kwargs"] = {"min_new_tokens": spec["max_completion_length"]}
     if spec["trainer"] == "ours":

@@ -93,6 +93,12 @@ def main(argv=None) -> dict:
         help="the end-of-sequence token about this likely per step (a bias on the random "
         "model's head, the same in both trainers): lengths spread as a trained model's do",
     )
+    parser.add_argument(
+        "--cache-implementation",
+        default=None,
+        help="both trainers' cache_implementation (static: on a GPU, generate compiles the "
+        "decoding steps' forward)",
+    )
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
@@ -130,6 +136,7 @@ def main(argv=None) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "fixed_lengths": args.fixed_lengths,
         "eos_rate": args.eos_rate,
+        "cache_implementation": args.cache_implementation,
     }
     if args.engine == "vllm":
         vllm = {

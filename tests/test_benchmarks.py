@@ -106,6 +106,7 @@ def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
     report = gpu.main(
         ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--in-process", *TINY_RUN]
         + ["--output-dir", str(tmp_path), "--json", str(tmp_path / "gpu.json")]
+        + ["--cache-implementation", "static"]  # both trainers take it (compiled on a GPU)
     )
     check_runs(report["results"], completions_per_step=8, max_length=4)
     assert "| reward, last step |" in capsys.readouterr().out
