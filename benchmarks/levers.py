@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -180,14 +181,12 @@ def _sampling(model, tokenizer, args):
     )
     prompt_ids, prompt_mask = prompt_ids.to(args.device), prompt_mask.to(args.device)
     # Merged in any dtype here (see the docstring).
-    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    force_merge = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", dtypes)
+    merged = functools.partial(merged_adapters.merged_lora, low_precision=True)
 
     def sample(merge: bool, compact: bool, grow_in_place: bool = True):
         concatenate = mock.patch.object(kv_room, "make_room", lambda cache, max_length: None)
         with (
-            force_merge,
-            merged_adapters.merged_lora(model) if merge else contextlib.nullcontext(),
+            merged(model) if merge else contextlib.nullcontext(),
             contextlib.nullcontext() if grow_in_place else concatenate,
         ):
             return generate_with_transformers(
@@ -217,9 +216,9 @@ def _sampling(model, tokenizer, args):
     attention_mask = torch.cat([reference[1], mask.to(reference[1].dtype)], 1)
     with torch.no_grad():
         unmerged = _completion_logps(model, ids, attention_mask, reference[2])
-        with force_merge, merged_adapters.merged_lora(model):
-            merged = _completion_logps(model, ids, attention_mask, reference[2])
-    moved = (merged - unmerged).abs()[mask.bool()]
+        with merged(model):
+            merged_logps = _completion_logps(model, ids, attention_mask, reference[2])
+    moved = (merged_logps - unmerged).abs()[mask.bool()]
     print(
         "\n| sampling | s per batch | s per 1k tokens | ours / this | peak memory MiB | same tokens as ours |"
     )

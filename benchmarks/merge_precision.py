@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -93,7 +92,6 @@ def _measure(model_dir: str, args, scale: float) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     half = getattr(torch, args.dtype)
-    merge_any = mock.patch.object(merged_adapters, "MERGEABLE_DTYPES", (torch.float32, half))
     model = _lora_model(model_dir, args.adapter, torch.float32, scale)
     prompt_ids, prompt_mask, config, eos = _common.sampling_inputs(
         model, tokenizer, args.num_prompts, args.group_size, args.max_tokens
@@ -110,8 +108,8 @@ def _measure(model_dir: str, args, scale: float) -> dict:
         """The completion tokens' log-probs `(N, T)`, as the trainer computes them."""
         with contextlib.ExitStack() as stack, torch.no_grad():
             if merge:
-                stack.enter_context(merge_any)
-                assert stack.enter_context(merged_adapters.merged_lora(model))
+                merge = merged_adapters.merged_lora(model, low_precision=True)
+                assert stack.enter_context(merge)
             if not adapter:
                 stack.enter_context(model.disable_adapter())
             return completion_logprobs(model, ids, attention_mask, completion_ids).float()

@@ -85,6 +85,7 @@ def test_shared_names_mean_the_same_defaults_as_trl(tmp_path):
         "max_prompt_length", "dynamic_sampling", "logprob_chunk_tokens",
         "max_resample_rounds", "max_staleness", "off_policy_correction", "off_policy_clip",
         "off_policy_min", "rollout_worker_threads", "tool_call_timeout", "tool_call_workers",
+        "sample_with_merged_adapters",
     }  # fmt: skip
     assert ours_only <= ours_only_expected, ours_only - ours_only_expected
 
@@ -119,6 +120,7 @@ def test_defaults_run_on_cpu(tmp_path):
         ({"per_device_train_batch_size": 0}, r"per_device_train_batch_size=0 must be >= 1"),
         ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0 must be >= 1"),
         ({"max_prompt_length": 0}, r"max_prompt_length=0 must be >= 1, or None"),
+        ({"sample_with_merged_adapters": True}, r"'exact', 'always' or 'never'"),
     ],
 )
 def test_invalid_combinations_say_what_to_change(tmp_path, kwargs, message):

@@ -170,10 +170,77 @@ def test_the_transformers_engine_samples_merged_with_the_same_tokens(caplog):
 
     model.base_model.model.model.layers[0].self_attn.q_proj.forward = spy
     merged = TransformersEngine(Policy()).generate(prompt_ids, prompt_mask, config, seed=3)
-    unmerged = TransformersEngine(Policy(), merge_adapters=False).generate(
+    unmerged = TransformersEngine(Policy(), merge_adapters="never").generate(
         prompt_ids, prompt_mask, config, seed=3
     )
     assert seen and all(seen[: len(seen) // 2]) and not any(seen[len(seen) // 2 :])
     assert torch.equal(merged[2], unmerged[2])
     after = base_weights(model)
     assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_weights_merge_when_asked_rounded_once(dtype):
+    """`sample_with_merged_adapters="always"`: bf16 and fp16 weights are merged too, `W + s B A`
+    summed in float32 and rounded once; the base weights are the same bits afterwards, and the
+    sampled tokens' log-probs stay close to the unmerged adapters' (the rounding moves them)."""
+    model, tokenizer = lora_model(dtype)
+    before = base_weights(model)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    original = layer.base_layer.weight.detach().clone()
+    with merged_lora(model) as merged:
+        assert not merged  # not by default
+    with merged_lora(model, low_precision=True) as merged:
+        assert merged and layer.merged
+        want = (original.float() + layer.get_delta_weight("default").float()).to(dtype)
+        assert torch.equal(layer.base_layer.weight, want)
+    assert torch.equal(layer.base_layer.weight, original) and not layer.merged
+    unmerged_ids, unmerged_logps = sample(model, tokenizer)
+    merged_ids, merged_logps = sample(
+        model, tokenizer, merge=merged_lora(model, low_precision=True)
+    )
+    same = (merged_ids == unmerged_ids).all(dim=1)  # rows whose tokens the rounding left alike
+    assert same.any()
+    moved = (merged_logps - unmerged_logps)[same].abs()
+    assert 0 < moved.max() < 0.5
+    after = base_weights(model)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_the_trainer_samples_merged_in_bf16_when_asked(tmp_path):
+    from trl_grpo_ext import GroupRelativeConfig
+    from trl_grpo_ext.generation.engines import build_engine
+
+    model, tokenizer = lora_model(torch.bfloat16)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    seen = []
+    original_forward = layer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(layer.merged)
+        return original_forward(*args, **kwargs)
+
+    layer.forward = spy
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+    config = GenerationConfig(
+        do_sample=True, max_new_tokens=4, pad_token_id=0, eos_token_id=tokenizer.eos_token_id
+    )
+    for setting, expected in [("exact", False), ("always", True), ("never", False)]:
+        args = GroupRelativeConfig(
+            output_dir=str(tmp_path), sample_with_merged_adapters=setting, report_to=[]
+        )
+        engine = build_engine(args, lambda: _Same(model), lambda: model, None, 4, tokenizer)
+        engine.generate(prompt_ids, prompt_mask, config, seed=1)
+        assert seen and all(merged is expected for merged in seen), setting
+        seen.clear()
+
+
+class _Same:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, *exc):
+        return False

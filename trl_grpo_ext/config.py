@@ -155,6 +155,16 @@ class GroupRelativeConfig(TrainingArguments):
             "asynchronous CPU rollout worker generate in the model's dtype."
         },
     )
+    sample_with_merged_adapters: str = field(
+        default="exact",
+        metadata={
+            "help": "Sampling with transformers under LoRA: 'exact' merges the adapters into the "
+            "base weights while sampling where that is exact (float32 weights), 'always' also "
+            "in bfloat16 and float16 (faster decoding on a GPU; the sampled tokens' log-probs "
+            "move a little further from the trained weights', which the importance-sampling "
+            "correction sees), 'never' samples with the adapters as they are."
+        },
+    )
     logprob_chunk_tokens: int | None = field(
         default=None,
         metadata={
@@ -637,6 +647,11 @@ class GroupRelativeConfig(TrainingArguments):
                     f"{name}={getattr(self, name)!r} must be a mapping (a JSON object on the "
                     'command line, e.g. \'{"dtype": "float32"}\').'
                 )
+        if self.sample_with_merged_adapters not in ("exact", "always", "never"):
+            fail(
+                f"sample_with_merged_adapters={self.sample_with_merged_adapters!r} must be "
+                "'exact', 'always' or 'never'."
+            )
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 1:
             fail(f"logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 (or None).")
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name

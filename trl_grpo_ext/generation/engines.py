@@ -355,7 +355,10 @@ def build_engine(
     """
     if not args.use_vllm:
         return TransformersEngine(
-            policy, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, tokenizer=tokenizer
+            policy,
+            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
+            tokenizer=tokenizer,
+            merge_adapters=args.sample_with_merged_adapters,
         )
     engine = _vllm_engine(args, model_folder, lora_rank)
     engine.publisher = WeightPublisher(engine, model, lora_rank is not None)

@@ -270,6 +270,7 @@ class RolloutProducer:
             num_generations_eval=None,
             use_vllm=False,
             cast_lm_head_to_fp32=False,
+            sample_with_merged_adapters="exact",
             pad_to_multiple_of=None,
             max_staleness=None,
         )

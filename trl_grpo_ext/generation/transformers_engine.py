@@ -245,9 +245,11 @@ class TransformersEngine:
         cast_lm_head_to_fp32 (`bool`): the output head computes the logits in float32
             (`logprobs.float32_head`), as TRL's `cast_lm_head_to_fp32` does for generation.
         tokenizer (*optional*): lets `generate` stop at the config's `stop_strings`.
-        merge_adapters (`bool`, *optional*, defaults to `True`): samples with the LoRA adapters
-            merged into the base weights where that is exact enough (`merged_adapters.py`),
-            fewer matmuls per decoding step; the base weights are restored bit for bit after.
+        merge_adapters (`str`, *optional*, defaults to `"exact"`): samples with the LoRA
+            adapters merged into the base weights where that is exact enough
+            (`merged_adapters.py`), fewer matmuls per decoding step; `"always"` merges bfloat16
+            and float16 weights too, `"never"` samples unmerged. The base weights are restored
+            bit for bit after.
         compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave the
             batch while sampling (`compacting.py`), the same tokens for the same seed.
     """
@@ -261,7 +263,7 @@ class TransformersEngine:
         policy,
         cast_lm_head_to_fp32: bool = False,
         tokenizer=None,
-        merge_adapters=True,
+        merge_adapters="exact",
         compact_finished_rows=True,
     ):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
@@ -271,8 +273,10 @@ class TransformersEngine:
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
-            if self.merge_adapters:
-                stack.enter_context(merged_lora(model, log_reason=not self._said_why_unmerged))
+            if self.merge_adapters != "never":
+                low_precision = self.merge_adapters == "always"
+                merge = merged_lora(model, not self._said_why_unmerged, low_precision)
+                stack.enter_context(merge)
                 self._said_why_unmerged = True
             if self.cast_lm_head_to_fp32:
                 stack.enter_context(float32_head(model))
