@@ -4,12 +4,12 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from deadline import run_with_deadline
 
 SCRIPT = Path(__file__).with_name("distributed_run.py")
 ENTROPY_SCRIPT = Path(__file__).with_name("distributed_entropy_run.py")
@@ -35,9 +35,7 @@ def launch(script, processes, *arguments):
     temp = Path(arguments[0]) / "tmp"
     temp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}
-    done = subprocess.run(
-        [*command, *map(str, arguments)], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_with_deadline([*command, *map(str, arguments)], 600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -171,3 +169,22 @@ def test_top_entropy_quantile_pools_the_tokens_of_all_processes(tmp_path):
             local_rule_differs |= [e >= local for e in call["entropy"]] != call["kept"]
     # The check above can fail: each process's own quantile keeps other tokens.
     assert local_rule_differs
+
+
+def test_a_hung_launch_fails_and_leaves_no_process(tmp_path):
+    """A launch that never ends (ranks out of step in a collective wait forever) fails at its
+    deadline, and the launcher's children are killed with it."""
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(pytest.fail.Exception, match="deadline of 3 s"):
+        run_with_deadline([sys.executable, "-c", script], 3)
+    child = int(pid_file.read_text())
+    status = Path(f"/proc/{child}/status")
+    # gone, or a zombie that only waits for its new parent to collect it
+    assert not status.exists() or "\nState:\tZ" in status.read_text()

@@ -6,12 +6,12 @@ checkpoints, resuming and the push all need every process, as on GPUs."""
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import accelerate
 import pytest
 import yaml
+from deadline import run_with_deadline
 from packaging.version import Version
 from safetensors import safe_open
 from test_distributed import free_port
@@ -57,7 +57,7 @@ def launch(name, tmp_path, output_dir, *extra):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}
     # DeepSpeed's CPU accelerator compiles a shared-memory op once, into its own folder.
     env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = run_with_deadline(command, 600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((output_dir / f"sharded-{rank}.json").read_text()) for rank in (0, 1)]
 
