@@ -69,7 +69,7 @@ def _compare(spec: dict, model_name: str, repeats: int) -> dict:
     eos = set(ours.eos_token_ids)
 
     def ours_sampling(merge: bool, seed: int):
-        engine.merge_adapters = merge
+        engine.merge_adapters = "exact" if merge else "never"
         with seeded(seed):  # merged and unmerged draw the same tokens
             rollout = ours.rollouts.generate(rows, 0)
         return int(rollout.completion_mask.sum())

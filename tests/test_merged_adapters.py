@@ -244,3 +244,36 @@ class _Same:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("setting, merged", [("exact", True), ("never", False)])
+def test_the_asynchronous_worker_samples_merged_as_the_engine_does(setting, merged):
+    """The asynchronous rollout worker's sampling (`process_worker.sample_batch`, which runs in
+    its process) merges as `sample_with_merged_adapters` says, with the same tokens and
+    behaviour log-probs either way in float32."""
+    from trl_grpo_ext.generation.process_worker import sample_batch
+
+    model, tokenizer = lora_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    seen, original_forward = [], layer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(layer.merged)
+        return original_forward(*args, **kwargs)
+
+    layer.forward = spy
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=8,
+        num_return_sequences=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    got = sample_batch(model, prompts, config, 3, merge_adapters=setting)
+    assert seen and all(state is merged for state in seen)
+    layer.forward = original_forward
+    want = sample_batch(model, prompts, config, 3, merge_adapters="never")
+    assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[3], want[3], atol=1e-5, rtol=1e-5)

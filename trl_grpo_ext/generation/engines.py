@@ -383,7 +383,9 @@ def build_rollout_engine(args, engine: Engine, model) -> tuple[Engine, bool]:
             "generate on a vLLM server (use_vllm=True, vllm_mode='server').",
             stacklevel=4,
         )
-    process = ProcessEngine(unwrapped, threads=args.rollout_worker_threads)
+    process = ProcessEngine(
+        unwrapped, args.rollout_worker_threads, args.sample_with_merged_adapters
+    )
     process.publisher = ParameterPublisher(process, model)
     return process, True
 

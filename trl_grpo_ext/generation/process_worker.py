@@ -21,14 +21,22 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from .merged_adapters import merged_lora
 from .transformers_engine import generate_with_transformers, seeded
 from .weights import OwnWeights
 
 
-def sample_batch(model, prompts, generation_config, seed, image_inputs=None):
+def sample_batch(
+    model, prompts, generation_config, seed, image_inputs=None, merge_adapters="exact"
+):
     """Samples one generation batch and the behaviour log-probs of its tokens (from the
-    sampling pass's own logits, as a server backend such as vLLM reports them)."""
-    with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
+    sampling pass's own logits, as a server backend such as vLLM reports them), with the LoRA
+    adapters merged as `merge_adapters` says (`TransformersEngine`'s argument)."""
+    with contextlib.ExitStack() as stack:
+        if merge_adapters != "never":
+            stack.enter_context(merged_lora(model, False, merge_adapters == "always"))
+        if seed is not None:
+            stack.enter_context(seeded(seed, model.device))
         return generate_with_transformers(
             model,
             *prompts,
@@ -38,7 +46,7 @@ def sample_batch(model, prompts, generation_config, seed, image_inputs=None):
         )
 
 
-def _worker_main(model, threads, requests, results):
+def _worker_main(model, threads, requests, results, merge_adapters="exact"):
     torch.set_num_threads(threads)
     model.eval()
     parameters = dict(model.named_parameters())
@@ -54,7 +62,10 @@ def _worker_main(model, threads, requests, results):
             continue
         _, prompts, generation_config, seed, image_inputs = message
         try:
-            results.put(sample_batch(model, prompts, generation_config, seed, image_inputs))
+            batch = sample_batch(
+                model, prompts, generation_config, seed, image_inputs, merge_adapters
+            )
+            results.put(batch)
         except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
             results.put(traceback.format_exc())
 
@@ -68,11 +79,13 @@ class ProcessEngine(OwnWeights):
         model (`nn.Module`): copied (to the CPU) when the engine starts; a `PeftModel` under LoRA.
         threads (`int`, *optional*, defaults to 1): CPU threads of the process
             (`rollout_worker_threads`).
+        merge_adapters (`str`, *optional*, defaults to `"exact"`): LoRA adapters merged while
+            sampling, as `TransformersEngine` takes it (`sample_with_merged_adapters`).
     """
 
     takes_images = True  # `generate` takes the processor's multimodal fields
 
-    def __init__(self, model, threads: int = 1):
+    def __init__(self, model, threads: int = 1, merge_adapters: str = "exact"):
         # fork needs no importable __main__ and shares the copied model without pickling. Neither
         # CUDA nor the parent's OpenMP thread pool survives a fork (a forked worker with more than
         # one thread hangs in its first parallel region), so a process that initialised CUDA, or
@@ -86,7 +99,7 @@ class ProcessEngine(OwnWeights):
         )
         self._process = context.Process(
             target=_worker_main,
-            args=(worker_model, threads, self._requests, self._results),
+            args=(worker_model, threads, self._requests, self._results, merge_adapters),
             daemon=True,
         )
         self._process.start()
