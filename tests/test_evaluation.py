@@ -98,6 +98,17 @@ def test_greedy_is_deterministic_and_respects_the_token_cap(tiny_model_dir):
     assert sampled.greedy_lenient is None and set(sampled.pass_at_k) == {"pass@1", "pass@3"}
 
 
+def test_a_streamed_dataset_gets_the_report_of_its_rows(tiny_model_dir):
+    # `load_dataset(..., streaming=True)` gives an IterableDataset: the harness reads it whole.
+    model, tokenizer = load_model_for_eval(tiny_model_dir)
+    dataset = synthetic_dataset(5, split="test", system_prompt="")
+    options = dict(max_new_tokens=5, num_samples=2, k_values=(1, 2), num_examples=5)
+    rows = evaluate_math(model, tokenizer, dataset, **options)
+    stream = evaluate_math(model, tokenizer, dataset.to_iterable_dataset(), **options)
+    assert stream.num_problems == 5 and stream.samples == rows.samples
+    assert [sample["answer"] for sample in stream.samples] == list(dataset["answer"])
+
+
 def _make_adapter(base_dir, adapter_dir):
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
