@@ -101,8 +101,16 @@ def test_a_terminated_run_keeps_its_logs_and_says_where(tmp_path):
             os.kill(trainer, signal.SIGKILL)
 
 
-def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
-    gpu = load("gpu")
+def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
+    gpu, common = load("gpu"), load("_common")
+    caches, build = [], common._build_trainer
+
+    def recorded(spec, dataset, timer):
+        trainer = build(spec, dataset, timer)
+        caches.append((spec["trainer"], trainer.args.cache_implementation))
+        return trainer
+
+    monkeypatch.setattr(common, "_build_trainer", recorded)
     report = gpu.main(
         ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--in-process", *TINY_RUN]
         + ["--output-dir", str(tmp_path), "--json", str(tmp_path / "gpu.json")]
@@ -111,6 +119,7 @@ def test_gpu_script_with_a_tiny_shape_on_cpu(tmp_path, capsys):
     check_runs(report["results"], completions_per_step=8, max_length=4)
     assert "| reward, last step |" in capsys.readouterr().out
     assert (tmp_path / "gpu.json").exists()
+    assert sorted(caches) == [("ours", "static"), ("trl", "static")]
 
 
 def test_gpu_script_spreads_lengths_alike_in_both_trainers(tmp_path):

@@ -84,6 +84,15 @@ def why_not_merged(model, layers: list, low_precision: bool = False) -> str | No
     return None
 
 
+def merged_for_sampling(model, setting: str = "exact", log_reason: bool = True):
+    """The block a sampling pass runs in under `sample_with_merged_adapters=setting`: "exact"
+    merges where that is exact enough (`merged_lora`), "always" merges bf16 and fp16 weights
+    too, "never" leaves the adapters as they are."""
+    if setting == "never":
+        return contextlib.nullcontext(False)
+    return merged_lora(model, log_reason, low_precision=setting == "always")
+
+
 @contextlib.contextmanager
 def merged_lora(model, log_reason: bool = True, low_precision: bool = False):
     """A block in which every active LoRA adapter of `model` is merged into its base layer.

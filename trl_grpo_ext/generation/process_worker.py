@@ -21,7 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from .merged_adapters import merged_lora
+from .merged_adapters import merged_for_sampling
 from .transformers_engine import generate_with_transformers, seeded
 from .weights import OwnWeights
 
@@ -32,11 +32,8 @@ def sample_batch(
     """Samples one generation batch and the behaviour log-probs of its tokens (from the
     sampling pass's own logits, as a server backend such as vLLM reports them), with the LoRA
     adapters merged as `merge_adapters` says (`TransformersEngine`'s argument)."""
-    with contextlib.ExitStack() as stack:
-        if merge_adapters != "never":
-            stack.enter_context(merged_lora(model, False, merge_adapters == "always"))
-        if seed is not None:
-            stack.enter_context(seeded(seed, model.device))
+    seeding = seeded(seed, model.device) if seed is not None else contextlib.nullcontext()
+    with merged_for_sampling(model, merge_adapters, log_reason=False), seeding:
         return generate_with_transformers(
             model,
             *prompts,

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from ..logprobs import float32_head, token_logprobs, transformers_model
 from . import compacting
-from .merged_adapters import merged_lora
+from .merged_adapters import merged_for_sampling
 from .sampling import isolated_from_checkpoint
 
 
@@ -273,11 +273,9 @@ class TransformersEngine:
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
-            if self.merge_adapters != "never":
-                low_precision = self.merge_adapters == "always"
-                merge = merged_lora(model, not self._said_why_unmerged, low_precision)
-                stack.enter_context(merge)
-                self._said_why_unmerged = True
+            merge = merged_for_sampling(model, self.merge_adapters, not self._said_why_unmerged)
+            stack.enter_context(merge)
+            self._said_why_unmerged = True
             if self.cast_lm_head_to_fp32:
                 stack.enter_context(float32_head(model))
             with seeded(seed, model.device) if seed is not None else contextlib.nullcontext():
