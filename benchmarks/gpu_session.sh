@@ -16,8 +16,9 @@
 # On the GPU machine, SESSION_SECONDS, TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT,
 # SMOKE_TIMEOUT, LEVERS_TIMEOUT and PRESETS override the defaults; SKIP leaves out the steps it
 # names, as patterns; SMOKE_ARGS adds arguments to every smoke run. 15 minutes of GPU time fit
-# two calls: SKIP="profile levers sharded-* smoke-*" SESSION_SECONDS=480 (the tests and ours
-# against TRL), then SKIP="cuda-tests benchmark" SESSION_SECONDS=330 (the rest, as time allows).
+# two calls: SKIP="profile levers sharded-* smoke-* benchmark-*" SESSION_SECONDS=480 (the tests
+# and ours against TRL), then SKIP="cuda-tests benchmark" SESSION_SECONDS=330 (the rest, as time
+# allows: ours against TRL with a static cache first).
 # DRY_RUN=1 writes each step's command to $OUT/commands.sh instead of running it
 # (tests/test_gpu_presets.py parses them). docs/benchmarks.md, "A GPU session".
 set -u
@@ -173,6 +174,12 @@ step cuda-tests "$TESTS_TIMEOUT" $PYTHON -m pytest -v --tb=short -p no:cacheprov
 # 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
+
+# 3b. The same with a static cache, which both trainers' decoding steps then run compiled (CUDA
+# graphs: one replay a step where the uncompiled forward launches each kernel from Python).
+step benchmark-static "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
+    --cache-implementation static --output-dir "$OUT/benchmark-static" \
+    --json "$OUT/benchmark-static.json"
 
 # 4. Where one step of each trainer goes at that shape (benchmarks/profile_step.py): sampling,
 # log-probs, forward, backward, optimizer, the GPU waited for around each phase.

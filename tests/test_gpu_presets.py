@@ -228,11 +228,21 @@ def test_the_two_calls_of_a_gpu_session_run_every_step_once(tmp_path):
         rows = (out / "summary.csv").read_text().splitlines()[1:]
         return dict(row.split(",")[:2] for row in rows)
 
-    first, second = steps("profile levers sharded-* smoke-*"), steps("cuda-tests benchmark")
+    first, second = (
+        steps("profile levers sharded-* smoke-* benchmark-*"),
+        steps("cuda-tests benchmark"),
+    )
     assert first.keys() == second.keys()
     ran = {name for name, state in first.items() if state == "dry-run"}
     ran_again = {name for name, state in second.items() if state == "dry-run"}
     assert ran & ran_again == {"install"}
     assert ran | ran_again == first.keys()
-    assert {"cuda-tests", "benchmark", "profile", "levers", "sharded-fsdp"} <= first.keys()
+    assert {
+        "cuda-tests",
+        "benchmark",
+        "benchmark-static",
+        "profile",
+        "levers",
+        "sharded-fsdp",
+    } <= first.keys()
     assert sum(name.startswith("smoke-") for name in ran_again) == len(GPU_PRESETS)
