@@ -166,8 +166,10 @@ has() { $PYTHON -c "import $1" 2>/dev/null; }
 # 2. The CUDA tests (tests/test_cuda.py: LoRA training in bf16 on the GPU) and the settings
 # matrix (every generation path, each cell two steps and a resume), which trains on the GPU where
 # there is one. Each test's result is printed as it ends (-v): a step cut at its limit still
-# names the cells that failed (on an H200, 12 workers took over 165 s for the 28 tests).
-step cuda-tests "$TESTS_TIMEOUT" $PYTHON -m pytest -v --tb=short -p no:cacheprovider \
+# names the cells that failed (on an H200, 12 workers took over 200 s for the tests), and each
+# failure's traceback is written to cuda-tests-failures.log as it happens (tests/conftest.py).
+step cuda-tests "$TESTS_TIMEOUT" env PYTEST_FAILURES_LOG="$OUT/cuda-tests-failures.log" \
+    $PYTHON -m pytest -v --tb=short -p no:cacheprovider \
     -p no:benchmark -m "gpu or not slow" $(has xdist && echo "-n 12") tests/test_cuda.py \
     tests/test_transformers_matrix.py
 
@@ -200,6 +202,15 @@ for preset in $PRESETS; do
         $recipe --config "$preset" --max_steps 2 --logging_steps 1 --save_strategy no \
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 done
+
+# 5b. The 0.5B preset again with a static cache, whose decoding steps `generate` compiles (ours
+# only: TRL turns compiling off): prompts of several lengths and evaluation's batches, each a
+# shape the compiled call meets.
+step smoke-static-cache "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 \
+    recipes/math.py $SWAPS --eval_num_samples 0 --eval_every_steps 1 \
+    --config recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml --cache_implementation static \
+    --max_steps 2 --logging_steps 1 --save_strategy no --output_dir "$OUT/runs/static-cache" \
+    ${SMOKE_ARGS:-}
 
 # 6. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
 # adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),

@@ -189,7 +189,7 @@ def test_the_gpu_session_runs_each_preset_with_the_recipe_its_first_line_names(t
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    launched = {}
+    launched, static = {}, []
     for line in (out / "commands.sh").read_text().splitlines():
         if " recipes/" not in line:  # the install, the benchmarks
             continue
@@ -212,7 +212,9 @@ def test_the_gpu_session_runs_each_preset_with_the_recipe_its_first_line_names(t
             and model_args.lora_r == expected_model.lora_r
         )
         launched[os.path.basename(preset)] = module
+        static.append(training_args.cache_implementation == "static")
     assert sorted(launched) == sorted(os.path.basename(path) for path in GPU_PRESETS)
+    assert static.count(True) == 1  # the 0.5B preset again, its decoding steps compiled
 
 
 def test_the_two_calls_of_a_gpu_session_run_every_step_once(tmp_path):
@@ -245,4 +247,31 @@ def test_the_two_calls_of_a_gpu_session_run_every_step_once(tmp_path):
         "levers",
         "sharded-fsdp",
     } <= first.keys()
-    assert sum(name.startswith("smoke-") for name in ran_again) == len(GPU_PRESETS)
+    assert sum(name.startswith("smoke-") for name in ran_again) == len(GPU_PRESETS) + 1
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_each_failure_is_written_as_it_happens(tmp_path, workers):
+    """PYTEST_FAILURES_LOG (the GPU session's test step, whose time limit can stop pytest before
+    its report): each failure's traceback is in that file once, the passing test not at all."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes():\n    assert True\n\n\ndef test_fails():\n    assert 1 == 2, 'wrong'\n"
+    )
+    log = tmp_path / "failures.log"
+    env = {**os.environ, "PYTEST_FAILURES_LOG": str(log)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest"]
+        + workers
+        + [str(tmp_path / "test_two.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = log.read_text()
+    headers = [line for line in text.splitlines() if line.startswith("== ")]
+    assert headers == ["== test_two.py::test_fails (call)"]
+    assert "AssertionError: wrong" in text and "test_passes" not in text
