@@ -308,6 +308,11 @@ def test_a_static_cache_decodes_with_the_compiled_forward_as_generate_does(tiny,
     with seeded(3):
         model.generate(input_ids=prompts[0], attention_mask=prompts[1], generation_config=config)
     assert len(calls) == got[2].shape[1] - 1  # transformers' own loop: the same calls
+    # TRL's generation config turns compiling off: `disable_compile`, its opt-out here
+    calls.clear()
+    off = {**static, "compile_config": compile_config, "disable_compile": True}
+    got = sample(model, prompts, sampling_config(**options, generation_kwargs=off), True)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(got[:3], plain[:3]))
 
 
 def inverse_cdf_reference(weights: list[float], uniform: float) -> int:
