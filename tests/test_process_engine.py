@@ -178,3 +178,68 @@ def test_a_worker_with_several_threads_samples_instead_of_hanging(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sampled (2, 4)" in done.stdout
+
+
+SPAWNED = """
+import torch
+from PIL import Image
+from transformers import GenerationConfig
+from trl_grpo_ext.generation import PromptEncoder, sampling_config
+from trl_grpo_ext.generation.process_worker import ProcessEngine, sample_batch
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+from trl_grpo_ext.tiny_vlm import tiny_vlm_and_processor
+
+
+def compare(model, ids, mask, config, fields=None):
+    # sampled here first: a vision-language model's forward installs its hidden states capture
+    want = sample_batch(model.eval(), (ids, mask), config, 7, fields)
+    engine = ProcessEngine(model, threads=2)  # several threads: spawned, the model pickled
+    try:
+        got = engine.generate(ids, mask, config, seed=7, image_inputs=fields)
+    finally:
+        engine.close()
+    assert torch.equal(got[2], want[2]), (got[2], want[2])
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-4)
+
+
+if __name__ == "__main__":
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    # as the trainer leaves a model it trains with gradient checkpointing: the hooks of
+    # enable_input_require_grads, a local function, on the input embeddings (twice over)
+    model.gradient_checkpointing_enable()
+    model.enable_input_require_grads()
+    config = sampling_config(max_new_tokens=5, eos_token_id=[tokenizer.eos_token_id],
+                             pad_token_id=tokenizer.pad_token_id, num_return_sequences=2)
+    compare(model, *PromptEncoder(tokenizer).encode(["1+2=", "10+17="]), config)
+    assert model.get_input_embeddings()._forward_hooks  # the trained model keeps its hooks
+    print("gradient checkpointing: same samples")
+
+    model, processor = tiny_vlm_and_processor(seed=0, initializer_range=0.2)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    images = [[Image.new("RGB", (20, 30), color)] for color in ("red", "blue")]
+    encoded = processor(text=[text] * 2, images=images, return_tensors="pt")
+    ids, mask = encoded.pop("input_ids"), encoded.pop("attention_mask")
+    config = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=4,
+                              num_return_sequences=2, pad_token_id=0)
+    compare(model, ids, mask, config, dict(encoded))
+    print("vision-language model: same samples")
+"""
+
+
+def test_a_spawned_worker_samples_a_checkpointed_model_and_a_vision_language_one(tmp_path):
+    """A worker that spawns (several threads, or a trainer on CUDA) receives the model pickled:
+    the hooks gradient checkpointing leaves on it (local functions) failed to pickle, and a
+    vision-language model's image features found no hidden states in the new process. Both
+    now sample there what they sample here with the same seed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gradient checkpointing: same samples" in done.stdout
+    assert "vision-language model: same samples" in done.stdout

@@ -43,8 +43,50 @@ def sample_batch(
         )
 
 
+# The forward hooks of training that a spawned worker could not unpickle (local functions) and
+# sampling does not need: those of `enable_input_require_grads` (transformers', and PEFT's own
+# where a model lacks it; gradient checkpointing installs one per call) and those with which
+# transformers captures hidden states (installed again in the worker when a forward asks).
+_TRAINING_HOOKS = frozenset(
+    {"make_inputs_require_grads", "make_inputs_require_grad", "output_capturing_hook"}
+)
+
+
+def _worker_copy(model):
+    """`model` copied to the CPU for the worker, without `_TRAINING_HOOKS`."""
+    worker_model = copy.deepcopy(model).cpu()
+    for module in worker_model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__name__", "") in _TRAINING_HOOKS:
+                    del hooks[key]
+        if getattr(module, "_require_grads_hooks", None):
+            module._require_grads_hooks = []
+        if getattr(module, "_output_capturing_hooks_installed", False):
+            module._output_capturing_hooks_installed = False
+    return worker_model
+
+
+def _register_output_capture(model) -> None:
+    """Registers, in a spawned worker, what each model class's hidden states capture records
+    (transformers records it when a model is built, which unpickling skips; without it, a
+    vision-language model's image features find no hidden states)."""
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry
+        return
+    # keyed by the class's name in every version (5.24 wraps the dict to take the model)
+    for module in model.modules():
+        key = str(type(module))
+        if isinstance(module, PreTrainedModel) and dict.get(_CAN_RECORD_REGISTRY, key) is None:
+            dict.__setitem__(_CAN_RECORD_REGISTRY, key, module._can_record_outputs)
+
+
 def _worker_main(model, threads, requests, results, merge_adapters="exact"):
     torch.set_num_threads(threads)
+    _register_output_capture(model)
     model.eval()
     parameters = dict(model.named_parameters())
     while True:
@@ -91,9 +133,7 @@ class ProcessEngine(OwnWeights):
         use_fork = sys.platform == "linux" and not torch.cuda.is_initialized() and threads == 1
         context = mp.get_context("fork" if use_fork else "spawn")
         self._requests, self._results = context.Queue(), context.Queue()
-        worker_model = (
-            copy.deepcopy(model).cpu() if model.device.type != "cpu" else copy.deepcopy(model)
-        )
+        worker_model = _worker_copy(model)
         self._process = context.Process(
             target=_worker_main,
             args=(worker_model, threads, self._requests, self._results, merge_adapters),
