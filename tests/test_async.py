@@ -126,6 +126,19 @@ def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
     assert logged(worker, "async/staleness") == [0.0] * 5
 
 
+def test_a_spawned_worker_samples_a_full_fine_tune_with_gradient_checkpointing(tmp_path):
+    """`rollout_worker_threads: 2` spawns the worker (as a trainer on CUDA does), which gets the
+    model pickled: gradient checkpointing's hooks on it failed to pickle. At staleness 0 the
+    worker samples the tokens the synchronous trainer samples."""
+    options = dict(peft=False, gradient_checkpointing=True)
+    sync, _ = run_trainer(tmp_path / "sync", **options)
+    spawned, _ = run_trainer(
+        tmp_path / "spawned", max_staleness=0, rollout_worker_threads=2, **options
+    )
+    assert logged(spawned, "reward") == logged(sync, "reward")
+    assert spawned.model.get_input_embeddings()._forward_hooks  # the trained model's, kept
+
+
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_async_runs_with_bounded_staleness_and_logs_it(tmp_path, max_staleness):
     trainer, _ = run_trainer(tmp_path, max_staleness=max_staleness, dataset=big_dataset())
