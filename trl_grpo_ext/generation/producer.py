@@ -260,27 +260,19 @@ class RolloutProducer:
         harness on a bare model, `evaluation.generate`): the config's defaults, prompts rendered
         with `chat_template_kwargs`, sampled by `engine` (by default `model`'s own `generate`,
         in eval mode). Sample with `sample`."""
-        from ..config import GroupRelativeConfig  # the config imports this package
         from .engines import in_eval_mode
 
-        # What a producer without a trainer reads: the config's defaults (a config itself
-        # would set up the devices), one completion per prompt, prompts kept whole, rollouts
-        # unpadded (no compiler to serve: "auto" resolves by device in a config).
-        defaults = {field.name: field.default for field in dataclasses.fields(GroupRelativeConfig)}
-        read = (
-            "num_generations_eval",
-            "use_vllm",
-            "cast_lm_head_to_fp32",
-            "sample_with_merged_adapters",
-            "max_staleness",
-        )
-        args = SimpleNamespace(
+        args = SimpleNamespace(  # what a producer without a trainer reads: the defaults
             **dataclasses.asdict(SamplingSettings()),
-            **{name: defaults[name] for name in read},
             chat_template_kwargs=chat_template_kwargs,
             max_prompt_length=None,
             num_generations=1,
+            num_generations_eval=None,
+            use_vllm=False,
+            cast_lm_head_to_fp32=False,
+            sample_with_merged_adapters="exact",
             pad_to_multiple_of=None,
+            max_staleness=None,
         )
         producer = cls(
             args,
