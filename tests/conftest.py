@@ -40,12 +40,20 @@ def pytest_xdist_make_scheduler(config, log):
     return SandboxFilesTogether(config, log)
 
 
+_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+    global _XDIST_WORKER
+    _XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
     """With PYTEST_FAILURES_LOG set, each failure's report is appended to that file as it
     happens: a run stopped at a time limit (a lent GPU's session) still has the tracebacks that
     pytest prints only at the end. Under pytest-xdist the controller writes them."""
     path = os.environ.get("PYTEST_FAILURES_LOG")
-    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if path and report.failed and not _XDIST_WORKER:
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
