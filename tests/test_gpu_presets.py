@@ -262,6 +262,7 @@ def test_each_failure_is_written_as_it_happens(tmp_path, workers):
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest"]
+        + ["--basetemp", str(tmp_path / "temp")]  # not the temp folder's pytest-of-<user>
         + workers
         + [str(tmp_path / "test_two.py")],
         env=env,
