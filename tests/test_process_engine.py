@@ -2,6 +2,8 @@
 of its own, behind the same engine interface as vLLM, against the same sampling in this process."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -146,6 +148,18 @@ def test_closing_after_the_process_died_does_not_wait_on_it(setup):
     assert not feeder_threads() - before
 
 
+def run_script(tmp_path, source: str) -> str:
+    """Runs `source` as a script of its own (a `__main__` that a spawned worker can re-import
+    under its guard); returns what it printed, after checking that it ended well."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 SEVERAL_THREADS = """
 import torch
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
@@ -168,16 +182,7 @@ if __name__ == "__main__":
 def test_a_worker_with_several_threads_samples_instead_of_hanging(tmp_path):
     """`rollout_worker_threads: 2`: a forked worker hung in its first parallel region (the
     parent's OpenMP pool does not survive a fork); the engine spawns it instead."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "several_threads.py"
-    script.write_text(SEVERAL_THREADS)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "sampled (2, 4)" in done.stdout
+    assert "sampled (2, 4)" in run_script(tmp_path, SEVERAL_THREADS)
 
 
 SPAWNED = """
@@ -232,14 +237,6 @@ def test_a_spawned_worker_samples_a_checkpointed_model_and_a_vision_language_one
     the hooks gradient checkpointing leaves on it (local functions) failed to pickle, and a
     vision-language model's image features found no hidden states in the new process. Both
     now sample there what they sample here with the same seed."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "spawned.py"
-    script.write_text(SPAWNED)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "gradient checkpointing: same samples" in done.stdout
-    assert "vision-language model: same samples" in done.stdout
+    printed = run_script(tmp_path, SPAWNED)
+    assert "gradient checkpointing: same samples" in printed
+    assert "vision-language model: same samples" in printed
