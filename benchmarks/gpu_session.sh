@@ -190,8 +190,10 @@ step profile "$PROFILE_TIMEOUT" $PYTHON benchmarks/profile_step.py --shape qwen2
 
 # 5. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
 # evaluation of 8 problems before and after, and once in between.
-for preset in $PRESETS; do
-    name=$(basename "$preset" .yaml)
+# smoke NAME PRESET [ARGS...]: PRESET for 2 steps on one GPU as step smoke-NAME, with ARGS.
+smoke() {
+    local name=$1 preset=$2 recipe
+    shift 2
     if head -1 "$preset" | grep -q "recipes/vlm_math.py"; then
         recipe="recipes/vlm_math.py $VLM_SWAPS --eval_strategy steps --eval_steps 1"
     else
@@ -199,18 +201,18 @@ for preset in $PRESETS; do
         grep -q "^use_vllm: true" "$preset" && ! has vllm && recipe+=" --use_vllm false"
     fi
     step "smoke-$name" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 \
-        $recipe --config "$preset" --max_steps 2 --logging_steps 1 --save_strategy no \
+        $recipe --config "$preset" "$@" --max_steps 2 --logging_steps 1 --save_strategy no \
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
+}
+for preset in $PRESETS; do
+    smoke "$(basename "$preset" .yaml)" "$preset"
 done
 
 # 5b. The 0.5B preset again with a static cache, whose decoding steps `generate` compiles (ours
 # only: TRL turns compiling off): prompts of several lengths and evaluation's batches, each a
 # shape the compiled call meets.
-step smoke-static-cache "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 \
-    recipes/math.py $SWAPS --eval_num_samples 0 --eval_every_steps 1 \
-    --config recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml --cache_implementation static \
-    --max_steps 2 --logging_steps 1 --save_strategy no --output_dir "$OUT/runs/static-cache" \
-    ${SMOKE_ARGS:-}
+smoke static-cache recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml \
+    --cache_implementation static
 
 # 6. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
 # adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),

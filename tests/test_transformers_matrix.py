@@ -219,13 +219,14 @@ def torch_compilers(thread) -> bool:
     anything of the run's."""
     if thread.name == "tqdm_monitor":
         return all(bar.desc == "Inductor Compilation" for bar in list(tqdm._instances))
+    # a ThreadPoolExecutor's worker holds a weak reference to its executor, first of its args
     async_compile = sys.modules.get("torch._inductor.async_compile")
-    executor = getattr(thread, "_args", (None,))[:1]
+    args = getattr(thread, "_args", ())
     return (
         async_compile is not None
-        and len(executor) == 1
-        and isinstance(executor[0], weakref.ref)
-        and executor[0]() is async_compile.AsyncCompile.pool()
+        and bool(args)
+        and isinstance(args[0], weakref.ref)
+        and args[0]() is async_compile.AsyncCompile.pool()
     )
 
 

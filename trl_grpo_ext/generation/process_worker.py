@@ -60,10 +60,8 @@ def _worker_copy(model):
             for key, hook in list(hooks.items()):
                 if getattr(hook, "__name__", "") in _TRAINING_HOOKS:
                     del hooks[key]
-        if getattr(module, "_require_grads_hooks", None):
-            module._require_grads_hooks = []
         if getattr(module, "_output_capturing_hooks_installed", False):
-            module._output_capturing_hooks_installed = False
+            module._output_capturing_hooks_installed = False  # installed again where asked
     return worker_model
 
 
