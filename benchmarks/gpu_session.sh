@@ -217,7 +217,8 @@ smoke static-cache recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml \
 # 6. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
 # adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
 # finished rows leaving the batch (lengths spread by an end-of-sequence bias), attention by
-# blocks in the packed rows, the head's backward pass from kept probabilities.
+# blocks in the packed rows, the head's backward pass from kept probabilities, blocks that end
+# at their completion's end.
 step levers "$LEVERS_TIMEOUT" $PYTHON benchmarks/levers.py --model qwen2.5-0.5b --device cuda \
     --dtype bfloat16 --num-prompts 8 --max-tokens 256 --repeats 1
 

@@ -20,9 +20,10 @@ measure both the time and how far the sampled tokens' log-probs move.
 
 Then, on the completions of one group of that batch (one micro-batch of the objective), the
 log-probs' forward and backward passes, the same rotation: a packed row attending block by
-block (ours, `packed_attention`), the same row under one whole-row mask, the completions as
-`--group-size` unpacked rows, and the blocks with the head's logits recomputed in the backward
-pass (two chunks) instead of kept (one chunk). Each against the unpacked rows: the largest
+block (ours, `packed_attention`), each block ending at its completion's end, the same row under
+one whole-row mask, the completions as `--group-size` unpacked rows, the blocks with the
+head's logits recomputed in the backward pass (two chunks) instead of kept (one chunk), and
+every block `--max-tokens` long (the positions after a completion's end computed too). Each against the unpacked rows: the largest
 difference of the log-probs and of the LoRA gradient (relative to its norm).
 
 A random model (`qwen2.5-0.5b`, `tiny-random`: benchmarks/gpu.py's shapes; `hybrid-random`:
@@ -293,6 +294,13 @@ def _logprobs(model, batch, args):
         "packed, one whole-row mask": whole_row,
         "unpacked rows": patched(packing_pays=lambda *a, **k: False),
         "by blocks, head recomputed (2 chunks)": lambda: forward_backward(positions // 2 + 1),
+        "every block T tokens (after the ends too)": patched(
+            attended_lengths=lambda completion_attention: torch.full(
+                (len(completion_attention),),
+                completion_attention.shape[1],
+                device=completion_attention.device,
+            )
+        ),
     }
     model.train()
     seconds, results, peaks = _rotate(variants, args.repeats, args.device, seeded_runs=False)

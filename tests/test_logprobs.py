@@ -288,6 +288,59 @@ def test_completion_logprobs_match_full_logits(tiny, packed):
     assert_matches_full_logits(tiny, inputs, logprob_chunk_tokens=5)  # 48 tokens, 10 chunks
 
 
+def ragged_batch(vocab, groups, group_size, lengths, completion_length=9):
+    """`batch` with the completions ending after `lengths` tokens (0: the row is masked out,
+    as `mask_truncated_completions` masks a truncated one)."""
+    input_ids, attention_mask, completion_ids, _ = batch(
+        vocab, groups, group_size, completion_length=completion_length
+    )
+    mask = (torch.arange(completion_length) < torch.tensor(lengths).unsqueeze(1)).long()
+    attention_mask[:, -completion_length:] = mask
+    return input_ids, attention_mask, completion_ids, mask
+
+
+class RowLengths:
+    """Records the length of every sequence the model's embedding layer reads."""
+
+    def __init__(self, model):
+        self.lengths = []
+        model.get_input_embeddings().register_forward_hook(
+            lambda module, args, output: self.lengths.append(args[0].shape[-1])
+        )
+
+
+@pytest.mark.parametrize(
+    "attention, groups, group_size",
+    [("sdpa", 3, 4), ("eager", 3, 4), ("sdpa", 12, 1)],
+    ids=["packed, by blocks", "packed, whole-row mask", "unpacked"],
+)
+def test_positions_after_each_completion_end_are_not_run(attention, groups, group_size):
+    """Completions of 9 to 0 tokens: each packed block stops at its completion's end, the
+    columns after every row's end are cut, and what is computed equals the full rows' log-probs,
+    entropies and gradients; after each end both are 0."""
+    from peft import LoraConfig, get_peft_model
+
+    tiny, _ = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    tiny.config._attn_implementation = attention
+    model = get_peft_model(
+        tiny, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
+    lengths = [9, 3, 1, 0, 2, 2, 5, 1, 7, 7, 7, 7]  # group 1 has 2 + 2 + 5 + 1 = 10 tokens
+    if group_size == 1:
+        lengths = [min(length, 7) for length in lengths]  # none reaches the end
+    inputs = ragged_batch(tiny.config.vocab_size, groups, group_size, lengths)
+    rows = RowLengths(tiny)
+    logps, entropy = completion_logprobs(model, *inputs[:3], 0.7, return_entropy=True)
+    if group_size == 1:  # 10 prompt tokens and the 7 columns up to the longest row's end
+        assert rows.lengths == [10 + 7]
+    else:  # the prompt but its last token, and the blocks of group 2 (4 x 7 tokens)
+        assert rows.lengths == [9 + 28]
+    beyond = torch.arange(9) >= torch.tensor(lengths).clamp(min=1).unsqueeze(1)
+    assert (logps[beyond] == 0).all() and (entropy[beyond] == 0).all()
+    assert (logps[~beyond] != 0).all()
+    assert_matches_full_logits(model, inputs, logprob_chunk_tokens=5)
+
+
 @pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "v_proj", "lm_head"]])
 def test_completion_logprobs_with_lora(tiny, target_modules):
     from peft import LoraConfig, get_peft_model
@@ -339,9 +392,10 @@ def test_cast_lm_head_to_fp32(tiny):
         model, input_ids, attention_mask, completion_ids, 0.7, cast_lm_head_to_fp32=True
     )
     plain = completion_logprobs(model, input_ids, attention_mask, completion_ids, 0.7)
-    torch.testing.assert_close(upcast, exact, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(plain, bf16_head, atol=1e-5, rtol=1e-5)
-    assert (plain - exact).abs().max() > 1e-3  # bf16 logits round visibly
+    # (after a completion's end both are 0: not computed)
+    torch.testing.assert_close(upcast, exact * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, bf16_head * mask, atol=1e-5, rtol=1e-5)
+    assert (plain - exact * mask).abs().max() > 1e-3  # bf16 logits round visibly
     assert weight.dtype == torch.bfloat16  # the model itself is unchanged
     # Gradients reach the bf16 weights.
     (upcast * mask).sum().backward()

@@ -626,6 +626,12 @@ def completion_logprobs(
     (`packing_pays`): the same numbers as running every row in full, up to floating-point
     rounding, for (G - 1) / G less work on the prompt tokens.
 
+    Positions after a row's last attended completion token (its end-of-sequence token, in
+    the completion part of `attention_mask`) are not computed: the columns after every row's
+    end are cut, and a packed row holds each completion's block up to its own end. Their
+    log-probs and entropies are 0 (every user of them masks them out). Rows with
+    `model_inputs` keep their columns.
+
     Args:
         logprob_chunk_tokens (`int`, *optional*):
             Completion positions whose logits exist at once; None for as many as one float32
@@ -639,6 +645,52 @@ def completion_logprobs(
             model's `pixel_values` and the like. Rows are then not packed (each row's image
             features must meet its own image tokens).
     """
+    full_length = completion_ids.shape[1]
+    lengths = attended_lengths(attention_mask[:, -full_length:])  # (B,)
+    completion_length = full_length if model_inputs else int(lengths.max())
+    if completion_length < full_length:  # columns after every row's end: not run at all
+        input_ids = input_ids[:, : completion_length - full_length]
+        attention_mask = attention_mask[:, : completion_length - full_length]
+        completion_ids = completion_ids[:, :completion_length]
+    result = _completion_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        completion_ids,
+        temperature,
+        return_entropy,
+        logprob_chunk_tokens,
+        cast_lm_head_to_fp32,
+        model_inputs,
+    )
+    kept = torch.arange(full_length, device=lengths.device) < lengths.unsqueeze(1)  # (B, T)
+    outputs = result if return_entropy else (result,)
+    outputs = tuple(
+        F.pad(values, (0, full_length - completion_length)) * kept for values in outputs
+    )
+    return outputs if return_entropy else outputs[0]
+
+
+def attended_lengths(completion_attention: torch.Tensor) -> torch.Tensor:
+    """`(B,)`: each row's completion positions up to its last attended one (at least 1), from
+    the completion part `(B, T)` of the rows' attention mask."""
+    positions = torch.arange(
+        1, completion_attention.shape[1] + 1, device=completion_attention.device
+    )
+    return (completion_attention.bool() * positions).amax(1).clamp(min=1)
+
+
+def _completion_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_ids,
+    temperature,
+    return_entropy,
+    logprob_chunk_tokens,
+    cast_lm_head_to_fp32,
+    model_inputs,
+):
     completion_length = completion_ids.shape[1]
     head = output_head(model)
     if head is None and cast_lm_head_to_fp32:
@@ -783,7 +835,8 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     and the completion but its last token). A 4D mask lets each block attend to the prompt and
     causally to itself only, and position ids restart at the prompt's end in every block, so
     each block computes exactly what its full row would; gradients of all the blocks add up in
-    the one copy of the prompt. Right padding needs no mask (no real token attends to it).
+    the one copy of the prompt. A block ends at its completion's last attended token
+    (`_PackedLayout`): the padding after a completion is not in the packed row at all.
     """
     rows, total_length = input_ids.shape
     prompt_length = total_length - completion_length
@@ -817,29 +870,13 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     prefix_length = prefix_ids.shape[1]
     if prefix_length == 0:
         return None
-    blocks = input_ids[:, prompt_length - 1 : -1]  # (B, T)
-    packed_ids = torch.cat(
-        [prefix_ids, blocks.reshape(num_prompts, group_size * completion_length)], 1
-    )  # (U, L) with L = Q + n * T
-    length = packed_ids.shape[1]
-    position = torch.arange(length, device=input_ids.device)  # (L,)
-    block = torch.where(
-        position < prefix_length, -1, (position - prefix_length) // completion_length
-    )  # (L,): -1 for the prompt, else the completion's index in its group
-    position_ids = torch.where(
-        position < prefix_length,
-        position,
-        prefix_length + (position - prefix_length) % completion_length,
-    )  # (L,)
-    allowed = (position[None, :] <= position[:, None]) & (
-        (block[None, :] == -1) | (block[None, :] == block[:, None])
-    )  # (L, L): causal, and a block sees the prompt and itself
-    key_is_real = torch.cat(
-        [prefix_mask, prefix_mask.new_ones(num_prompts, length - prefix_length)], 1
-    )  # (U, L)
-    allowed = (allowed.unsqueeze(0) & key_is_real.unsqueeze(1)) | torch.eye(
-        length, dtype=torch.bool, device=input_ids.device
-    )  # (U, L, L); a padding query sees itself, so no row is empty
+    layout = _PackedLayout.build(
+        attention_mask[:, prompt_length:], num_prompts, group_size, prefix_length
+    )
+    packed_ids = layout.scatter(
+        prefix_ids, input_ids[:, prompt_length - 1 : -1]
+    )  # (U, L): the prompt, each completion's block, padding after the shorter rows' blocks
+    allowed = layout.allowed(prefix_mask)  # (U, L, L)
     if implementation == "eager":  # eager attention adds the mask to the scores
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
@@ -848,14 +885,89 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
         mask = allowed  # boolean, True where attention is allowed
     mask = mask.unsqueeze(1)  # (U, 1, L, L)
     if by_blocks:
-        register_packed_mask(config, mask, prefix_length, group_size)
+        register_packed_mask(
+            config, mask, prefix_length, group_size, layout.lengths if layout.ragged else None
+        )
     outputs = _head_outputs(
         model,
         head,
         input_ids=packed_ids,
         attention_mask=mask,
-        position_ids=(position_ids + padded).expand(num_prompts, -1),
+        position_ids=layout.position_ids + padded,
         use_cache=False,
-        logits_to_keep=group_size * completion_length,
-    )  # (U, n * T, V), or (U, n * T, H) with `head`
-    return outputs.reshape(rows, completion_length, outputs.shape[-1])  # (B, T, V) or (B, T, H)
+        logits_to_keep=layout.length - prefix_length,
+    )  # (U, L - Q, V), or (U, L - Q, H) with `head`
+    return layout.gather(outputs, completion_length)  # (B, T, V) or (B, T, H)
+
+
+class _PackedLayout:
+    """Where each token of a group's packed row sits: the prompt's `Q` tokens, then each
+    completion's block (the last prompt token and the completion but its last token) cut to
+    the completion's length, then padding up to the longest packed row of the batch.
+
+    A block holds the positions that predict the completion's real tokens (up to the last
+    attended one, at least one), so the tokens after a completion's end cost nothing in the
+    linear layers or the attention; their outputs are zeros (masked out by every user of the
+    log-probs)."""
+
+    def __init__(self, lengths: torch.Tensor, prefix_length: int, completion_length: int):
+        units, size = lengths.shape
+        device = lengths.device
+        self.lengths = lengths  # (U, G), each in 1..T
+        self.ragged = bool((lengths < completion_length).any())
+        self.prefix_length = prefix_length
+        offsets = torch.arange(completion_length, device=device)  # (T,)
+        self.valid = offsets < lengths.unsqueeze(-1)  # (U, G, T)
+        starts = prefix_length + lengths.cumsum(1) - lengths  # (U, G)
+        self.where = starts.unsqueeze(-1) + offsets  # (U, G, T) packed position of each token
+        self.length = int((prefix_length + lengths.sum(1)).max())  # L
+        # per packed position: the block (-1 the prompt, -2 padding) and the offset in it
+        self.block = torch.full((units, self.length), -2, dtype=torch.long, device=device)
+        self.block[:, :prefix_length] = -1
+        position = torch.arange(self.length, device=device)
+        self.position_ids = position.clamp(max=prefix_length).expand(units, -1).clone()  # (U, L)
+        rows = torch.arange(units, device=device).view(units, 1, 1).expand_as(self.where)
+        self._flat = (rows * self.length + self.where)[self.valid]  # real block tokens
+        blocks = torch.arange(size, device=device).view(1, size, 1).expand_as(self.where)
+        self.block.view(-1)[self._flat] = blocks[self.valid]
+        self.position_ids.view(-1)[self._flat] = (prefix_length + offsets).expand_as(self.where)[
+            self.valid
+        ]
+
+    @classmethod
+    def build(cls, completion_attention, units: int, size: int, prefix_length: int):
+        """From the completion part `(B, T)` of the rows' attention mask."""
+        lengths = attended_lengths(completion_attention).view(units, size)
+        return cls(lengths, prefix_length, completion_attention.shape[1])
+
+    def scatter(self, prefix_ids: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The packed rows `(U, L)` from the prompts `(U, Q)` and the blocks `(B, T)`."""
+        units = prefix_ids.shape[0]
+        packed = prefix_ids.new_zeros(units, self.length)
+        packed[:, : self.prefix_length] = prefix_ids
+        packed.view(-1)[self._flat] = block_ids.view(self.valid.shape)[self.valid]
+        return packed
+
+    def allowed(self, prefix_mask: torch.Tensor) -> torch.Tensor:
+        """`(U, L, L)`: causal, a block sees the prompt's real tokens and itself, a padding
+        query itself only (so no row of the softmax is empty)."""
+        position = torch.arange(self.length, device=prefix_mask.device)
+        causal = position[None, :] <= position[:, None]  # (L, L)
+        query, key = self.block.unsqueeze(2), self.block.unsqueeze(1)  # (U, L, 1), (U, 1, L)
+        key_is_real = torch.cat(
+            [prefix_mask, prefix_mask.new_ones(len(prefix_mask), self.length - self.prefix_length)],
+            1,
+        ).unsqueeze(1)  # (U, 1, L)
+        seen = ((key == -1) | ((key == query) & (query >= 0))) & key_is_real
+        return (causal & seen) | torch.eye(self.length, dtype=torch.bool, device=position.device)
+
+    def gather(self, outputs: torch.Tensor, completion_length: int) -> torch.Tensor:
+        """`(B, T, ...)` from the packed rows' outputs `(U, L - Q, ...)` of the block tokens:
+        each completion's positions, zeros after its block."""
+        if not self.ragged and outputs.shape[1] == self.valid[0].numel():
+            return outputs.reshape(-1, completion_length, outputs.shape[-1])
+        units = outputs.shape[0]
+        index = (self.where - self.prefix_length).clamp(max=outputs.shape[1] - 1)  # (U, G, T)
+        picked = outputs[torch.arange(units, device=outputs.device).view(units, 1, 1), index]
+        picked = picked * self.valid.unsqueeze(-1).to(picked.dtype)  # (U, G, T, ...)
+        return picked.reshape(-1, completion_length, outputs.shape[-1])

@@ -44,6 +44,11 @@ class _Layout:
     windows: tuple  # each layer's sliding window, None for full attention
     # window -> the two masks narrowed to it, for each window shorter than Q + T
     windowed: dict
+    # Blocks of their completions' own lengths (T the longest): each block slot's packed
+    # position `(U, G * T)` and each packed position's slot `(U, L - Q)`; None when every block
+    # has T tokens, laid out one after the other.
+    index: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
 
     def masks(self, module, sliding_window=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's and the blocks' masks for the attention layer `module`: narrowed to the
@@ -116,6 +121,44 @@ def attends_by_blocks(config) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", ATTENTION)
 
 
+def _split_ragged_masks(mask: torch.Tensor, prefix_length: int, lengths: torch.Tensor):
+    """`_split_masks` for blocks of `lengths` `(U, G)` tokens each, laid out one after the
+    other from `prefix_length` (padding after the last block of the shorter rows): the blocks'
+    masks are padded to the longest block (a padding slot is seen by no query and sees only
+    itself). Also the slots' packed positions `(U, G * T)` and the positions' slots `(U, L - Q)`."""
+    units, size = lengths.shape
+    block_length = int(lengths.max())
+    device = mask.device
+    offsets = torch.arange(block_length, device=device)
+    slot_valid = offsets < lengths.unsqueeze(-1)  # (U, G, T)
+    starts = prefix_length + lengths.cumsum(1) - lengths  # (U, G)
+    index = starts.unsqueeze(-1) + torch.minimum(offsets, lengths.unsqueeze(-1) - 1)  # (U, G, T)
+    square = mask[:, 0]  # (U, L, L)
+    prefix_mask = square[:, :prefix_length, :prefix_length].clone()
+    rows = torch.arange(units, device=device).view(units, 1, 1, 1)
+    queries = square[rows.squeeze(-1), index]  # (U, G, T, L)
+    to_prefix = queries[..., :prefix_length]
+    own = torch.gather(
+        queries, 3, index.unsqueeze(2).expand(-1, -1, block_length, -1)
+    )  # (U, G, T, T): slot t's query against slot s's key
+    own = own & slot_valid.unsqueeze(2)  # no query sees a padding slot's key
+    to_prefix = to_prefix & slot_valid.unsqueeze(-1)
+    padding = ~slot_valid.unsqueeze(-1) & torch.eye(block_length, dtype=torch.bool, device=device)
+    block_mask = torch.cat([to_prefix, own | padding], dim=3).flatten(0, 1)  # (U*G, T, Q+T)
+    length = mask.shape[-1]
+    inverse = torch.zeros(units, length - prefix_length, dtype=torch.long, device=device)
+    slots = torch.arange(size * block_length, device=device).view(1, size, block_length)
+    flat = (rows.view(units, 1, 1) * (length - prefix_length) + index - prefix_length)[slot_valid]
+    inverse.view(-1)[flat] = slots.expand(units, -1, -1)[slot_valid]
+    return (
+        prefix_mask.unsqueeze(1),
+        block_mask.unsqueeze(1),
+        block_length,
+        index.flatten(1),
+        inverse,
+    )
+
+
 def _split_masks(mask: torch.Tensor, prefix_length: int, group_size: int):
     """The prompt's `(U, 1, Q, Q)` and the blocks' `(U * G, 1, T, Q + T)` parts of a packed
     row's `(U, 1, L, L)` boolean mask (L = Q + G * T)."""
@@ -144,8 +187,16 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     units = query.shape[0]
     prefix, size, block = layout.prefix_length, layout.group_size, layout.block_length
 
-    def blocks(states):  # (U, h, G*T, D) -> (U*G, h, T, D)
-        return states[:, :, prefix:].unflatten(2, (size, block)).transpose(1, 2).flatten(0, 1)
+    def blocks(states):  # (U, h, L, D) -> (U*G, h, T, D)
+        if layout.index is None:
+            states = states[:, :, prefix:]
+        else:  # each block's tokens, padded to T
+            states = torch.gather(
+                states,
+                2,
+                layout.index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]),
+            )  # (U, h, G*T, D)
+        return states.unflatten(2, (size, block)).transpose(1, 2).flatten(0, 1)
 
     def with_prefix(states):  # (U*G, h, Q + T, D): each block's keys after the prompt's
         shared = states[:, :, :prefix].unsqueeze(1).expand(-1, size, -1, -1, -1).flatten(0, 1)
@@ -164,6 +215,8 @@ def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
         module, blocks(query), with_prefix(key), with_prefix(value), block_mask, **kwargs
     )  # (U*G, T, H, D)
     blocks_out = blocks_out.unflatten(0, (units, size)).flatten(1, 2)  # (U, G*T, H, D)
+    if layout.inverse is not None:  # back to the packed positions, (U, L - Q, H, D)
+        blocks_out = blocks_out[torch.arange(units, device=query.device)[:, None], layout.inverse]
     return torch.cat([prompt_out, blocks_out], dim=1), None
 
 
@@ -200,10 +253,17 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
-def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_size: int):
+def register_packed_mask(
+    config,
+    mask: torch.Tensor,
+    prefix_length: int,
+    group_size: int,
+    block_lengths: torch.Tensor | None = None,
+):
     """Until `mask` is freed, attention layers reading `config` that receive it (a packed row's
-    `(U, 1, L, L)` boolean mask: a prompt of `prefix_length` tokens, then `group_size` blocks)
-    attend block by block. `config` is the model's (text) config; see `attends_by_blocks`.
+    `(U, 1, L, L)` boolean mask: a prompt of `prefix_length` tokens, then `group_size` blocks,
+    of equal length or of `block_lengths` `(U, G)` tokens each) attend block by block.
+    `config` is the model's (text) config; see `attends_by_blocks`.
     A layer with a sliding window (`layer_windows`) attends within it: transformers would hand
     it `mask` as it is, a whole-row mask being taken as already made for every layer.
 
@@ -216,7 +276,13 @@ def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_s
             f"block attention runs in place of SDPA, not {config._attn_implementation!r}"
         )
     _register()
-    prefix_mask, block_mask, block_length = _split_masks(mask, prefix_length, group_size)
+    index = inverse = None
+    if block_lengths is None:
+        prefix_mask, block_mask, block_length = _split_masks(mask, prefix_length, group_size)
+    else:
+        prefix_mask, block_mask, block_length, index, inverse = _split_ragged_masks(
+            mask, prefix_length, block_lengths
+        )
     windows = tuple(layer_windows(config))
     windowed = {
         window: _narrowed(prefix_mask, block_mask, window)
@@ -225,7 +291,15 @@ def register_packed_mask(config, mask: torch.Tensor, prefix_length: int, group_s
     }
     key = id(mask)
     _LAYOUTS[key] = _Layout(
-        prefix_length, group_size, block_length, prefix_mask, block_mask, windows, windowed
+        prefix_length,
+        group_size,
+        block_length,
+        prefix_mask,
+        block_mask,
+        windows,
+        windowed,
+        index,
+        inverse,
     )
     with _LOCK:
         selected = _SELECTED.setdefault(id(config), [config._attn_implementation, 0])
