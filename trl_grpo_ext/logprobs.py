@@ -652,46 +652,6 @@ def completion_logprobs(
         input_ids = input_ids[:, : completion_length - full_length]
         attention_mask = attention_mask[:, : completion_length - full_length]
         completion_ids = completion_ids[:, :completion_length]
-    result = _completion_logprobs(
-        model,
-        input_ids,
-        attention_mask,
-        completion_ids,
-        temperature,
-        return_entropy,
-        logprob_chunk_tokens,
-        cast_lm_head_to_fp32,
-        model_inputs,
-    )
-    kept = torch.arange(full_length, device=lengths.device) < lengths.unsqueeze(1)  # (B, T)
-    outputs = result if return_entropy else (result,)
-    outputs = tuple(
-        F.pad(values, (0, full_length - completion_length)) * kept for values in outputs
-    )
-    return outputs if return_entropy else outputs[0]
-
-
-def attended_lengths(completion_attention: torch.Tensor) -> torch.Tensor:
-    """`(B,)`: each row's completion positions up to its last attended one (at least 1), from
-    the completion part `(B, T)` of the rows' attention mask."""
-    positions = torch.arange(
-        1, completion_attention.shape[1] + 1, device=completion_attention.device
-    )
-    return (completion_attention.bool() * positions).amax(1).clamp(min=1)
-
-
-def _completion_logprobs(
-    model,
-    input_ids,
-    attention_mask,
-    completion_ids,
-    temperature,
-    return_entropy,
-    logprob_chunk_tokens,
-    cast_lm_head_to_fp32,
-    model_inputs,
-):
-    completion_length = completion_ids.shape[1]
     head = output_head(model)
     if head is None and cast_lm_head_to_fp32:
         raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
@@ -711,22 +671,39 @@ def _completion_logprobs(
             **(model_inputs or {}),
         )[:, :-1]  # position t predicts completion token t
     if head is None:
-        return token_logprobs(
+        result = token_logprobs(
             outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
         )
-    softcap, scale = logit_transform(model)
-    return head_token_logprobs(
-        outputs,
-        head.weight,
-        completion_ids,
-        bias=head.bias,
-        temperature=temperature,
-        chunk_tokens=logprob_chunk_tokens,
-        return_entropy=return_entropy,
-        final_logit_softcapping=softcap,
-        logit_scale=scale,
-        upcast=cast_lm_head_to_fp32,
+    else:
+        softcap, scale = logit_transform(model)
+        result = head_token_logprobs(
+            outputs,
+            head.weight,
+            completion_ids,
+            bias=head.bias,
+            temperature=temperature,
+            chunk_tokens=logprob_chunk_tokens,
+            return_entropy=return_entropy,
+            final_logit_softcapping=softcap,
+            logit_scale=scale,
+            upcast=cast_lm_head_to_fp32,
+        )
+    # back to every column; 0 after each row's end
+    kept = torch.arange(full_length, device=lengths.device) < lengths.unsqueeze(1)  # (B, T)
+    outputs = result if return_entropy else (result,)
+    outputs = tuple(
+        F.pad(values, (0, full_length - completion_length)) * kept for values in outputs
     )
+    return outputs if return_entropy else outputs[0]
+
+
+def attended_lengths(completion_attention: torch.Tensor) -> torch.Tensor:
+    """`(B,)`: each row's completion positions up to its last attended one (at least 1), from
+    the completion part `(B, T)` of the rows' attention mask."""
+    positions = torch.arange(
+        1, completion_attention.shape[1] + 1, device=completion_attention.device
+    )
+    return (completion_attention.bool() * positions).amax(1).clamp(min=1)
 
 
 @torch.no_grad()

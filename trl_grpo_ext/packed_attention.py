@@ -136,11 +136,8 @@ def _split_ragged_masks(mask: torch.Tensor, prefix_length: int, lengths: torch.T
     square = mask[:, 0]  # (U, L, L)
     prefix_mask = square[:, :prefix_length, :prefix_length].clone()
     rows = torch.arange(units, device=device).view(units, 1, 1, 1)
-    queries = square[rows.squeeze(-1), index]  # (U, G, T, L)
-    to_prefix = queries[..., :prefix_length]
-    own = torch.gather(
-        queries, 3, index.unsqueeze(2).expand(-1, -1, block_length, -1)
-    )  # (U, G, T, T): slot t's query against slot s's key
+    to_prefix = square[:, :, :prefix_length][rows.squeeze(-1), index]  # (U, G, T, Q)
+    own = square[rows, index.unsqueeze(-1), index.unsqueeze(-2)]  # (U, G, T, T): query t, key s
     own = own & slot_valid.unsqueeze(2)  # no query sees a padding slot's key
     to_prefix = to_prefix & slot_valid.unsqueeze(-1)
     padding = ~slot_valid.unsqueeze(-1) & torch.eye(block_length, dtype=torch.bool, device=device)
