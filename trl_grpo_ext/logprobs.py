@@ -926,8 +926,9 @@ class _PackedLayout:
         return packed
 
     def allowed(self, prefix_mask: torch.Tensor) -> torch.Tensor:
-        """`(U, L, L)`: causal, a block sees the prompt's real tokens and itself, a padding
-        query itself only (so no row of the softmax is empty)."""
+        """`(U, L, L)`: causal, a block sees the prompt's real tokens and itself; every
+        position sees itself (so no row of the softmax is empty), and a padding position after
+        a shorter packed row's blocks the prompt too (its output is never read)."""
         position = torch.arange(self.length, device=prefix_mask.device)
         causal = position[None, :] <= position[:, None]  # (L, L)
         query, key = self.block.unsqueeze(2), self.block.unsqueeze(1)  # (U, L, 1), (U, 1, L)
