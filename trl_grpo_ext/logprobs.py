@@ -670,16 +670,18 @@ def completion_logprobs(
             use_cache=False,
             **(model_inputs or {}),
         )[:, :-1]  # position t predicts completion token t
-    if head is None:
-        result = token_logprobs(
+    computed = torch.arange(completion_length, device=lengths.device) < lengths.unsqueeze(1)
+    if head is None:  # the model's logits (B, T, V)
+        values = token_logprobs(
             outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
         )
-    else:
+        values = tuple(v * computed for v in (values if return_entropy else (values,)))
+    else:  # the head runs on the positions up to each row's end only
         softcap, scale = logit_transform(model)
-        result = head_token_logprobs(
-            outputs,
+        values = head_token_logprobs(
+            outputs[computed],
             head.weight,
-            completion_ids,
+            completion_ids[computed],
             bias=head.bias,
             temperature=temperature,
             chunk_tokens=logprob_chunk_tokens,
@@ -687,14 +689,13 @@ def completion_logprobs(
             final_logit_softcapping=softcap,
             logit_scale=scale,
             upcast=cast_lm_head_to_fp32,
+        )  # (N,) each
+        values = tuple(
+            v.new_zeros(computed.shape).masked_scatter(computed, v)
+            for v in (values if return_entropy else (values,))
         )
-    # back to every column; 0 after each row's end
-    kept = torch.arange(full_length, device=lengths.device) < lengths.unsqueeze(1)  # (B, T)
-    outputs = result if return_entropy else (result,)
-    outputs = tuple(
-        F.pad(values, (0, full_length - completion_length)) * kept for values in outputs
-    )
-    return outputs if return_entropy else outputs[0]
+    values = tuple(F.pad(v, (0, full_length - completion_length)) for v in values)  # (B, T)
+    return values if return_entropy else values[0]
 
 
 def attended_lengths(completion_attention: torch.Tensor) -> torch.Tensor:
@@ -884,8 +885,7 @@ class _PackedLayout:
 
     A block holds the positions that predict the completion's real tokens (up to the last
     attended one, at least one), so the tokens after a completion's end cost nothing in the
-    linear layers or the attention; their outputs are zeros (masked out by every user of the
-    log-probs)."""
+    linear layers, the attention or the output head."""
 
     def __init__(self, lengths: torch.Tensor, prefix_length: int, completion_length: int):
         units, size = lengths.shape
@@ -941,11 +941,11 @@ class _PackedLayout:
 
     def gather(self, outputs: torch.Tensor, completion_length: int) -> torch.Tensor:
         """`(B, T, ...)` from the packed rows' outputs `(U, L - Q, ...)` of the block tokens:
-        each completion's positions, zeros after its block."""
+        each completion's positions; after its block, copies of other positions' outputs that
+        nothing reads (`completion_logprobs` gives those positions 0)."""
         if not self.ragged and outputs.shape[1] == self.valid[0].numel():
             return outputs.reshape(-1, completion_length, outputs.shape[-1])
         units = outputs.shape[0]
         index = (self.where - self.prefix_length).clamp(max=outputs.shape[1] - 1)  # (U, G, T)
         picked = outputs[torch.arange(units, device=outputs.device).view(units, 1, 1), index]
-        picked = picked * self.valid.unsqueeze(-1).to(picked.dtype)  # (U, G, T, ...)
-        return picked.reshape(-1, completion_length, outputs.shape[-1])
+        return picked.reshape(-1, completion_length, outputs.shape[-1])  # from (U, G, T, ...)
