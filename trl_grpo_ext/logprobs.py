@@ -31,7 +31,13 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .packed_attention import ATTENTION, attends_by_blocks, layer_kinds, register_packed_mask
+from .packed_attention import (
+    ATTENTION,
+    attends_by_blocks,
+    block_slots,
+    layer_kinds,
+    register_packed_mask,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -863,9 +869,7 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
         mask = allowed  # boolean, True where attention is allowed
     mask = mask.unsqueeze(1)  # (U, 1, L, L)
     if by_blocks:
-        register_packed_mask(
-            config, mask, prefix_length, group_size, layout.lengths if layout.ragged else None
-        )
+        register_packed_mask(config, mask, prefix_length, group_size, layout.lengths)
     outputs = _head_outputs(
         model,
         head,
@@ -893,10 +897,9 @@ class _PackedLayout:
         self.lengths = lengths  # (U, G), each in 1..T
         self.ragged = bool((lengths < completion_length).any())
         self.prefix_length = prefix_length
+        # (U, G, T): whether slot t of a block is a token, and its packed position
+        self.valid, self.where = block_slots(prefix_length, lengths, completion_length)
         offsets = torch.arange(completion_length, device=device)  # (T,)
-        self.valid = offsets < lengths.unsqueeze(-1)  # (U, G, T)
-        starts = prefix_length + lengths.cumsum(1) - lengths  # (U, G)
-        self.where = starts.unsqueeze(-1) + offsets  # (U, G, T) packed position of each token
         self.length = int((prefix_length + lengths.sum(1)).max())  # L
         # per packed position: the block (-1 the prompt, -2 padding) and the offset in it
         self.block = torch.full((units, self.length), -2, dtype=torch.long, device=device)
@@ -943,9 +946,9 @@ class _PackedLayout:
         """`(B, T, ...)` from the packed rows' outputs `(U, L - Q, ...)` of the block tokens:
         each completion's positions; after its block, copies of other positions' outputs that
         nothing reads (`completion_logprobs` gives those positions 0)."""
-        if not self.ragged and outputs.shape[1] == self.valid[0].numel():
+        if not self.ragged:  # the blocks in order, each T long
             return outputs.reshape(-1, completion_length, outputs.shape[-1])
         units = outputs.shape[0]
-        index = (self.where - self.prefix_length).clamp(max=outputs.shape[1] - 1)  # (U, G, T)
+        index = self.where - self.prefix_length  # (U, G, T)
         picked = outputs[torch.arange(units, device=outputs.device).view(units, 1, 1), index]
         return picked.reshape(-1, completion_length, outputs.shape[-1])  # from (U, G, T, ...)

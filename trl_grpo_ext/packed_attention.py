@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ATTENTION", "attends_by_blocks", "register_packed_mask"]
+__all__ = ["ATTENTION", "attends_by_blocks", "block_slots", "register_packed_mask"]
 
 ATTENTION = "trl_grpo_ext_packed_sdpa"
 
@@ -121,18 +121,28 @@ def attends_by_blocks(config) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", ATTENTION)
 
 
-def _split_ragged_masks(mask: torch.Tensor, prefix_length: int, lengths: torch.Tensor):
-    """`_split_masks` for blocks of `lengths` `(U, G)` tokens each, laid out one after the
-    other from `prefix_length` (padding after the last block of the shorter rows): the blocks'
-    masks are padded to the longest block (a padding slot is seen by no query and sees only
-    itself). Also the slots' packed positions `(U, G * T)` and the positions' slots `(U, L - Q)`."""
+def block_slots(prefix_length: int, lengths: torch.Tensor, block_length: int):
+    """`(valid, positions)`, each `(U, G, T)` for `T = block_length`: whether slot t of each
+    block holds one of its `lengths` `(U, G)` tokens, and that token's position in the packed
+    row, the blocks laid out one after the other from `prefix_length` (a slot past its block's
+    end points at the block's last token)."""
+    offsets = torch.arange(block_length, device=lengths.device)
+    last = lengths.unsqueeze(-1) - 1  # (U, G, 1)
+    starts = prefix_length + lengths.cumsum(1) - lengths  # (U, G)
+    return offsets <= last, starts.unsqueeze(-1) + torch.minimum(offsets, last)
+
+
+def _split_masks(mask: torch.Tensor, prefix_length: int, lengths: torch.Tensor):
+    """The prompt's `(U, 1, Q, Q)` and the blocks' `(U * G, 1, T, Q + T)` parts of a packed
+    row's `(U, 1, L, L)` boolean mask, for blocks of `lengths` `(U, G)` tokens each (one after
+    the other from Q, padding after the last block of the shorter rows) padded to the longest,
+    T: a padding slot is seen by no query and sees only itself. Also, where the blocks are not
+    all T long, each slot's packed position `(U, G * T)` and each packed position's slot
+    `(U, L - Q)`; else None for both (the blocks are the row's last G * T tokens in order)."""
     units, size = lengths.shape
     block_length = int(lengths.max())
     device = mask.device
-    offsets = torch.arange(block_length, device=device)
-    slot_valid = offsets < lengths.unsqueeze(-1)  # (U, G, T)
-    starts = prefix_length + lengths.cumsum(1) - lengths  # (U, G)
-    index = starts.unsqueeze(-1) + torch.minimum(offsets, lengths.unsqueeze(-1) - 1)  # (U, G, T)
+    slot_valid, index = block_slots(prefix_length, lengths, block_length)  # (U, G, T) each
     square = mask[:, 0]  # (U, L, L)
     prefix_mask = square[:, :prefix_length, :prefix_length].clone()
     rows = torch.arange(units, device=device).view(units, 1, 1, 1)
@@ -142,33 +152,15 @@ def _split_ragged_masks(mask: torch.Tensor, prefix_length: int, lengths: torch.T
     to_prefix = to_prefix & slot_valid.unsqueeze(-1)
     padding = ~slot_valid.unsqueeze(-1) & torch.eye(block_length, dtype=torch.bool, device=device)
     block_mask = torch.cat([to_prefix, own | padding], dim=3).flatten(0, 1)  # (U*G, T, Q+T)
+    masks = prefix_mask.unsqueeze(1), block_mask.unsqueeze(1), block_length
     length = mask.shape[-1]
+    if bool(slot_valid.all()) and length == prefix_length + size * block_length:
+        return *masks, None, None
     inverse = torch.zeros(units, length - prefix_length, dtype=torch.long, device=device)
     slots = torch.arange(size * block_length, device=device).view(1, size, block_length)
     flat = (rows.view(units, 1, 1) * (length - prefix_length) + index - prefix_length)[slot_valid]
     inverse.view(-1)[flat] = slots.expand(units, -1, -1)[slot_valid]
-    return (
-        prefix_mask.unsqueeze(1),
-        block_mask.unsqueeze(1),
-        block_length,
-        index.flatten(1),
-        inverse,
-    )
-
-
-def _split_masks(mask: torch.Tensor, prefix_length: int, group_size: int):
-    """The prompt's `(U, 1, Q, Q)` and the blocks' `(U * G, 1, T, Q + T)` parts of a packed
-    row's `(U, 1, L, L)` boolean mask (L = Q + G * T)."""
-    block_length = (mask.shape[-1] - prefix_length) // group_size
-    square = mask[:, 0]  # (U, L, L)
-    prefix_mask = square[:, :prefix_length, :prefix_length].clone()  # (U, Q, Q), not a view
-    queries = square[:, prefix_length:]  # (U, G*T, L)
-    to_prefix = queries[:, :, :prefix_length].unflatten(1, (group_size, block_length))
-    blocks = queries[:, :, prefix_length:].unflatten(1, (group_size, block_length))
-    blocks = blocks.unflatten(3, (group_size, block_length))  # (U, G, T, G, T)
-    own = torch.diagonal(blocks, dim1=1, dim2=3).permute(0, 3, 1, 2)  # (U, G, T, T)
-    block_mask = torch.cat([to_prefix, own], dim=3).flatten(0, 1)  # (U*G, T, Q+T)
-    return prefix_mask.unsqueeze(1), block_mask.unsqueeze(1), block_length
+    return *masks, index.flatten(1), inverse
 
 
 def _packed_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -273,13 +265,12 @@ def register_packed_mask(
             f"block attention runs in place of SDPA, not {config._attn_implementation!r}"
         )
     _register()
-    index = inverse = None
-    if block_lengths is None:
-        prefix_mask, block_mask, block_length = _split_masks(mask, prefix_length, group_size)
-    else:
-        prefix_mask, block_mask, block_length, index, inverse = _split_ragged_masks(
-            mask, prefix_length, block_lengths
-        )
+    if block_lengths is None:  # G blocks of equal length fill the row after the prompt
+        block_length = (mask.shape[-1] - prefix_length) // group_size
+        block_lengths = torch.full((mask.shape[0], group_size), block_length, device=mask.device)
+    prefix_mask, block_mask, block_length, index, inverse = _split_masks(
+        mask, prefix_length, block_lengths
+    )
     windows = tuple(layer_windows(config))
     windowed = {
         window: _narrowed(prefix_mask, block_mask, window)
