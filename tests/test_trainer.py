@@ -1,6 +1,7 @@
 """GroupRelativeTrainer end to end on the tiny model: data, rollouts, rewards, LoRA, metrics."""
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -54,6 +55,33 @@ def test_mask_truncated_completions_removes_them_from_the_loss(tmp_path):
     batch = trainer._make_generation_batch([{"prompt": "1+1=", "answer": "2"}] * 2)[0]
     # With one token allowed, only completions that emitted eos at once are kept.
     assert batch["completion_mask"].sum() < batch["completion_mask"].numel()
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_steps_where_every_completion_is_cut_say_that_nothing_trains(
+    tmp_path, mask_truncated, caplog
+):
+    """A policy that stops ending within the cap trains on nothing under overlong filtering:
+    said once, naming the two settings to change; without the filtering, nothing to say."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        max_steps=3,
+        mask_truncated_completions=mask_truncated,
+        generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]},  # nothing ever ends
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_grpo_ext.trainer"):
+        trainer.train()
+    assert logged(trainer, "completions/clipped_ratio") == [1.0, 1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "nothing" in r.getMessage()]
+    if not mask_truncated:
+        assert said == []
+        return
+    assert len(said) == 1
+    assert "at step 1 reached max_completion_length (2 tokens)" in said[0]
+    assert "mask_truncated_completions=False" in said[0]
 
 
 # ----------------------------------------------------------------------------- datasets
