@@ -72,7 +72,7 @@ def test_steps_where_every_completion_is_cut_say_that_nothing_trains(
         mask_truncated_completions=mask_truncated,
         generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]},  # nothing ever ends
     )
-    with caplog.at_level(logging.WARNING, logger="trl_grpo_ext.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_grpo_ext.metrics"):
         trainer.train()
     assert logged(trainer, "completions/clipped_ratio") == [1.0, 1.0, 1.0]
     said = [r.getMessage() for r in caplog.records if "nothing" in r.getMessage()]

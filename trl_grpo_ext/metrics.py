@@ -2,17 +2,30 @@
 
 Pure functions of gathered tensors: the trainer gathers them over processes and appends the
 values to its running metrics, which `log` averages. `RewardLogs` holds what reward functions log
-through TRL's `log_metric` and `log_extra` keyword arguments.
+through TRL's `log_metric` and `log_extra` keyword arguments; `warn_if_nothing_trains` says when
+overlong filtering leaves a generation batch nothing to train on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 
 from .objective import weighted_rewards
+
+logger = logging.getLogger(__name__)
+
+ALL_TRUNCATED = (
+    "Every completion of the generation batch at step {step} reached max_completion_length "
+    "({cap} tokens) without ending, and mask_truncated_completions=True leaves all of them out "
+    "of the loss: the step trains nothing, and a policy that no longer ends within the cap gets "
+    "no gradient to learn its way back. Raise max_completion_length, or set "
+    "mask_truncated_completions=False (`completions/clipped_ratio` in the logs shows the share "
+    "cut at the cap). Said once per run."
+)
 
 
 def reward_metrics(
@@ -64,6 +77,15 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
         "completions/min_terminated_length": terminated.min().item(),
         "completions/max_terminated_length": terminated.max().item(),
     }
+
+
+def warn_if_nothing_trains(clipped_ratio: float, args, step: int, main_process: bool) -> bool:
+    """Logs `ALL_TRUNCATED` (on the main process) when every completion of a generation batch
+    was cut at the cap under `args.mask_truncated_completions`; returns whether it applied."""
+    applies = clipped_ratio == 1.0 and args.mask_truncated_completions
+    if applies and main_process:
+        logger.warning(ALL_TRUNCATED.format(step=step, cap=args.max_completion_length))
+    return applies
 
 
 def rollout_metrics(rollout, rewards, weights, names, gather) -> tuple[dict[str, float], int]:

@@ -17,7 +17,6 @@ accumulation and data parallelism.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from .metrics import (
     rollout_metrics,
     staleness_shares,
     step_means,
+    warn_if_nothing_trains,
 )
 from .models import load_policy, prepare_policy
 from .objective import (
@@ -71,19 +71,8 @@ from .resume_weights import FullWeightsMixin
 from .sampler import collate_rows, train_dataloader
 from .scoring import call_reward_funcs
 
-logger = logging.getLogger(__name__)
-
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
-
-ALL_TRUNCATED = (
-    "Every completion of the generation batch at step {step} reached max_completion_length "
-    "({cap} tokens) without ending, and mask_truncated_completions=True leaves all of them out "
-    "of the loss: the step trains nothing, and a policy that no longer ends within the cap gets "
-    "no gradient to learn its way back. Raise max_completion_length, or set "
-    "mask_truncated_completions=False (`completions/clipped_ratio` in the logs shows the share "
-    "cut at the cap). Said once per run."
-)
 
 
 class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
@@ -214,7 +203,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
-        self._warned_all_truncated = False  # `ALL_TRUNCATED`, said once per run
+        self._warned_all_truncated = False  # `metrics.warn_if_nothing_trains`, once per run
         self._step_started = time.perf_counter()  # of the current optimizer step: `step_time`
         self.reward_logs = RewardLogs()  # what reward functions log: `log_metric`, `log_extra`
         self.model_card_sections: dict[str, str] = {}
@@ -510,25 +499,18 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         for key, value in metrics.items():
             self._metrics[key].append(value)
         self.state.num_input_tokens_seen += tokens
-        self._warn_if_nothing_trains(metrics["completions/clipped_ratio"])
+        if not self._warned_all_truncated:
+            self._warned_all_truncated = warn_if_nothing_trains(
+                metrics["completions/clipped_ratio"],
+                self.args,
+                self.state.global_step + 1,
+                self.accelerator.is_main_process,
+            )
         extra = self.reward_logs.take_extra(None if self.args.dynamic_sampling else len(rollout))
         if self.args.log_completions:
             self._last_rollout_table = completions_table(
                 rollout, all_rewards, self.reward_names, all_advantages, extra, gather_object
             )
-
-    def _warn_if_nothing_trains(self, clipped_ratio: float) -> None:
-        """Warns once per run when overlong filtering leaves no completion in the loss."""
-        args = self.args
-        if (
-            clipped_ratio == 1.0
-            and args.mask_truncated_completions
-            and not self._warned_all_truncated
-        ):
-            self._warned_all_truncated = True
-            if self.accelerator.is_main_process:
-                step = self.state.global_step + 1
-                logger.warning(ALL_TRUNCATED.format(step=step, cap=args.max_completion_length))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
