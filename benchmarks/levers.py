@@ -6,13 +6,15 @@
 The model gets LoRA r=16 (alpha 32, all linear layers, no dropout) with non-zero B matrices, as
 after some training. One generation batch (`--num-prompts` x `--group-size` completions of at
 most `--max-tokens` tokens, temperature 1.0) is sampled by `generate_with_transformers` in
-four ways, `--repeats` times in rotation, each repeat with its own seed shared by the four:
+five ways, `--repeats` times in rotation, each repeat with its own seed shared by the five:
 
 * ours: adapters merged (`generation.merged_adapters`), finished rows leaving the batch
   (`generation.compacting`), the KV cache growing in place (`generation.kv_room`);
 * adapters unmerged;
 * every row to the end;
-* the KV cache grown by one concatenation per step (transformers' `DynamicLayer`).
+* the KV cache grown by one concatenation per step (transformers' `DynamicLayer`);
+* on a CPU, the linear layers calling `F.linear` (MKL) instead of their weights laid out once
+  for oneDNN (`generation.packed_weights`; on a GPU the two are the same).
 
 In bfloat16 or float16 our engine samples unmerged (the merge moves the log-probs about as
 much again as bfloat16 itself does: benchmarks/merge_precision.py); this benchmark merges anyway, to
@@ -184,7 +186,7 @@ def _sampling(model, tokenizer, args):
     # Merged in any dtype here (see the docstring).
     merged = functools.partial(merged_adapters.merged_lora, low_precision=True)
 
-    def sample(merge: bool, compact: bool, grow_in_place: bool = True):
+    def sample(merge: bool, compact: bool, grow_in_place: bool = True, pack: bool = True):
         concatenate = mock.patch.object(kv_room, "make_room", lambda cache, max_length: None)
         with (
             merged(model) if merge else contextlib.nullcontext(),
@@ -196,6 +198,7 @@ def _sampling(model, tokenizer, args):
                 prompt_mask,
                 generation_config=config,
                 compact_finished_rows=compact,
+                pack_weights=pack,
             )  # (prompt ids, prompt mask, completion ids), prompts repeated G times
 
     variants = {
@@ -203,6 +206,7 @@ def _sampling(model, tokenizer, args):
         "adapters unmerged": lambda: sample(False, True),
         "every row to the end": lambda: sample(True, False),
         "KV cache grown by concatenation": lambda: sample(True, True, grow_in_place=False),
+        "weights not laid out for oneDNN": lambda: sample(True, True, pack=False),
     }
     model.eval()
     with torch.no_grad():

@@ -8,7 +8,8 @@ and the sampling settings of `generate`, each built in one place, and the engine
 - `transformers_engine.py`, `process_worker.py`, `vllm_colocate.py`, `vllm_server.py`: the
   engines (transformers here or in a process of its own, vLLM colocated or on a server);
   `compacting.py`: the transformers engine's sampling loop, in which finished rows leave the
-  batch;
+  batch; `merged_adapters.py` and `packed_weights.py`: the weights it samples with (LoRA
+  merged in; on a CPU, laid out once for oneDNN);
 - `async_rollout.py`: the asynchronous pipeline and its in-flight batches;
 - `rollout.py`: the `Rollout` record; `producer.py`: rows in, `Rollout`s out;
 - `images.py`: images in prompts (TRL's dataset format) and the processor's multimodal fields,

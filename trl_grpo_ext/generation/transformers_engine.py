@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from ..logprobs import float32_head, token_logprobs, transformers_model
 from . import compacting
 from .merged_adapters import merged_for_sampling
+from .packed_weights import packed_linear_weights
 from .sampling import isolated_from_checkpoint
 
 
@@ -31,6 +32,7 @@ def generate_with_transformers(
     tokenizer=None,
     image_inputs: dict[str, torch.Tensor] | None = None,
     compact_finished_rows: bool = True,
+    pack_weights: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Samples a group of completions per prompt with batched `generate` calls.
 
@@ -69,6 +71,10 @@ def generate_with_transformers(
         compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave
             the batch; `False` runs every row until the longest ends, as `generate` does, with
             the same tokens.
+        pack_weights (`bool`, *optional*, defaults to `True`): on a CPU, the float32 linear
+            layers compute with their weights laid out once for oneDNN
+            (`packed_weights.py`), the same tokens and log-probs up to float rounding;
+            `False` calls `F.linear` as the model does.
 
     Returns:
         `(prompt_ids, prompt_mask, completion_ids)`, of shapes `(B*G, P)`, `(B*G, P)`,
@@ -84,7 +90,7 @@ def generate_with_transformers(
             generation_config.stop_strings = None
         else:
             encoded["tokenizer"] = tokenizer
-    with isolated_from_checkpoint(model):
+    with isolated_from_checkpoint(model), packed_linear_weights(model, pack_weights):
         return _generate(model, encoded, generation_config, return_logprobs, compact_finished_rows)
 
 

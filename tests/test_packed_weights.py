@@ -1,0 +1,187 @@
+"""Sampling with the linear layers' weights laid out once for oneDNN
+(`generation.packed_weights`): the same tokens and log-probs as `F.linear`, the layers as they
+were after the block, and `F.linear` wherever the laid-out weight does not apply."""
+
+from unittest import mock
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+
+from trl_grpo_ext.generation import PromptEncoder
+from trl_grpo_ext.generation.packed_weights import packed_linear_weights
+from trl_grpo_ext.generation.transformers_engine import (
+    TransformersEngine,
+    generate_with_transformers,
+    seeded,
+)
+from trl_grpo_ext.logprobs import float32_head
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch is built without oneDNN"
+)
+
+PROMPTS = ["1+2=", "10+17=", "3+3=?"]
+
+
+def lora_model(dtype=torch.float32):
+    """The tiny model with LoRA on all linear layers, its B matrices random (not zeros)."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(model.to(dtype), config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
+    return model.eval(), tokenizer
+
+
+def sampling(tokenizer) -> GenerationConfig:
+    return GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=12,
+        num_return_sequences=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+class Counted:
+    """`torch.ops.mkldnn._linear_pointwise`, counting its calls."""
+
+    def __init__(self):
+        self.calls, self.function = 0, torch.ops.mkldnn._linear_pointwise
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.function(*args)
+
+
+def sample(model, tokenizer, pack: bool, seed=0):
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+    counted = Counted()
+    with seeded(seed), mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", counted):
+        _, _, ids, logps = generate_with_transformers(
+            model,
+            prompt_ids,
+            prompt_mask,
+            generation_config=sampling(tokenizer),
+            return_logprobs=True,
+            pack_weights=pack,
+        )
+    return ids, logps, counted.calls
+
+
+def linear_layers(model) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_laid_out_weights_sample_the_same_tokens_and_log_probs(seed):
+    model, tokenizer = lora_model()
+    plain_ids, plain_logps, plain_calls = sample(model, tokenizer, pack=False, seed=seed)
+    ids, logps, calls = sample(model, tokenizer, pack=True, seed=seed)
+
+    assert plain_calls == 0
+    # every linear layer (the LoRA A and B matrices and the head too) ran oneDNN's product at
+    # every forward pass of the batch
+    assert calls > 0 and calls % len(linear_layers(model)) == 0
+    assert torch.equal(ids, plain_ids)
+    torch.testing.assert_close(logps, plain_logps, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_samples_merged_and_laid_out_as_the_plain_adapters_do():
+    """The engine's defaults (adapters merged, weights laid out) against neither."""
+    model, tokenizer = lora_model()
+    prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
+
+    class Policy:
+        def __call__(self):
+            return self
+
+        def __enter__(self):
+            return model
+
+        def __exit__(self, *exc):
+            return False
+
+    engine = TransformersEngine(Policy())
+    counted = Counted()
+    with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", counted):
+        _, _, ids, _ = engine.generate(prompt_ids, prompt_mask, sampling(tokenizer), seed=5)
+    with seeded(5):
+        _, _, plain_ids = generate_with_transformers(
+            model,
+            prompt_ids,
+            prompt_mask,
+            generation_config=sampling(tokenizer),
+            pack_weights=False,
+        )
+    assert counted.calls > 0
+    assert torch.equal(ids, plain_ids)
+
+
+def test_after_the_block_the_layers_compute_as_before_and_hold_the_same_weights():
+    model, _ = lora_model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    layers = linear_layers(model)
+    with torch.no_grad(), packed_linear_weights(model) as count:
+        assert count == len(layers)
+        assert all("forward" in layer.__dict__ for layer in layers)
+    assert not any("forward" in layer.__dict__ for layer in layers)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_inside_the_block_autograd_and_other_dtypes_compute_with_f_linear():
+    """While autograd records, the gradient is that of `F.linear`; an input of another dtype
+    gets `F.linear`'s answer (or its error), not oneDNN's."""
+    layer = torch.nn.Linear(16, 8)
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(5, 16)
+    expected = layer(x)
+    expected.sum().backward()
+    expected_grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    counted = Counted()
+    with (
+        packed_linear_weights(model),
+        mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", counted),
+    ):
+        out = layer(x)
+        out.sum().backward()
+        assert counted.calls == 0
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(layer.weight.grad, expected_grad)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), expected.detach(), atol=1e-6, rtol=1e-5)
+            assert counted.calls == 1
+            with pytest.raises(RuntimeError, match="dtype"):
+                layer(x.double())
+            assert counted.calls == 1
+
+
+def test_other_dtypes_and_replaced_forwards_are_left_as_they_are():
+    # bfloat16 base layers stay as they are (PEFT keeps the adapters' A and B in float32)
+    model, _ = lora_model(dtype=torch.bfloat16)
+    with packed_linear_weights(model) as count:
+        float32 = [m for m in linear_layers(model) if m.weight.dtype == torch.float32]
+        assert 0 < count == len(float32) < len(linear_layers(model))
+        assert all(("forward" in m.__dict__) == (m in float32) for m in linear_layers(model))
+    model, _ = lora_model()
+    with packed_linear_weights(model, enabled=False) as count:
+        assert count == 0
+    # the head's forward replaced by `float32_head`: that layer keeps it
+    head = model.get_output_embeddings()
+    with float32_head(model):
+        replaced = head.forward
+        with packed_linear_weights(model) as count:
+            assert count == len(linear_layers(model)) - 1
+            assert head.forward is replaced
+        assert head.forward is replaced
+    assert "forward" not in head.__dict__
