@@ -6,10 +6,11 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import GenerationConfig
 
-from trl_grpo_ext.generation import PromptEncoder
+from trl_grpo_ext.generation import PromptEncoder, packed_weights
 from trl_grpo_ext.generation.packed_weights import packed_linear_weights
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
@@ -24,6 +25,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROMPTS = ["1+2=", "10+17=", "3+3=?"]
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The tiny model's layers are all below the size from which laying out pays
+    (`MIN_WEIGHTS`); the products are the same at any size, so here every layer is laid out."""
+    monkeypatch.setattr(packed_weights, "MIN_WEIGHTS", 0)
 
 
 def lora_model(dtype=torch.float32):
@@ -164,6 +172,34 @@ def test_inside_the_block_autograd_and_other_dtypes_compute_with_f_linear():
             with pytest.raises(RuntimeError, match="dtype"):
                 layer(x.double())
             assert counted.calls == 1
+            # more rows than a decoding step's (the prompts' pass): F.linear
+            many = torch.randn(packed_weights.MAX_ROWS + 1, 16)
+            torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias))
+            assert counted.calls == 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 64])
+def test_rows_padded_to_a_multiple_give_each_row_its_own_product(rows):
+    """A decoding step's rows are padded to a multiple of `ROW_MULTIPLE` for oneDNN: the padding
+    rows are cut off again, and each row's output is `F.linear`'s up to rounding, in any shape."""
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(rows, 1, 24)
+    with torch.no_grad(), packed_linear_weights(torch.nn.Sequential(layer)) as count:
+        out = layer(x)
+    assert count == 1
+    assert out.shape == (rows, 1, 40)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
+
+
+def test_small_layers_keep_f_linear_by_default(monkeypatch):
+    monkeypatch.undo()
+    model, _ = lora_model()
+    assert all(m.weight.numel() < packed_weights.MIN_WEIGHTS for m in linear_layers(model))
+    with packed_linear_weights(model) as count:
+        assert count == 0
+    big = torch.nn.Linear(1024, packed_weights.MIN_WEIGHTS // 1024)
+    with packed_linear_weights(torch.nn.Sequential(big)) as count:
+        assert count == 1
 
 
 def test_other_dtypes_and_replaced_forwards_are_left_as_they_are():

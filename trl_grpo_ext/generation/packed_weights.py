@@ -32,6 +32,16 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
+# Measured on 2 AMD EPYC cores (docs/benchmarks.md): below about 2**18 weights (1 MiB in float32)
+# `F.linear` is as fast, MKL's copy of a small weight costing little; the same above about 64
+# rows (the prompts' pass), where the products outweigh the copy.
+MIN_WEIGHTS = 1 << 18
+MAX_ROWS = 64
+# oneDNN builds and keeps a kernel (about 0.6 MB) for each number of rows it meets: the rows of
+# a decoding step are padded to a multiple of ROW_MULTIPLE, so that a run meets few of them.
+ROW_MULTIPLE = 8
+
+
 def _available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
@@ -46,7 +56,7 @@ def _packable(module) -> bool:
         type(weight.data) is torch.Tensor  # not a DTensor or another subclass (FSDP)
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and weight.numel() > 0  # not partitioned away (DeepSpeed ZeRO-3)
+        and weight.numel() >= MIN_WEIGHTS  # also: not partitioned away (DeepSpeed ZeRO-3)
         and not hasattr(weight, "ds_id")
         and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
     )
@@ -56,14 +66,21 @@ def _packed_forward(module, packed: torch.Tensor):
     weight, bias = module.weight, module.bias
 
     def forward(x):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (
-            torch.is_grad_enabled()
+            not 0 < rows <= MAX_ROWS
+            or torch.is_grad_enabled()
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or torch.is_autocast_enabled("cpu")
         ):
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        flat = x.reshape(rows, x.shape[-1])
+        padding = -rows % ROW_MULTIPLE
+        if padding:
+            flat = F.pad(flat, (0, 0, 0, padding))
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
     return forward
 
