@@ -9,7 +9,8 @@ most `--max-tokens` tokens, temperature 1.0) is sampled by `generate_with_transf
 five ways, `--repeats` times in rotation, each repeat with its own seed shared by the five:
 
 * ours: adapters merged (`generation.merged_adapters`), finished rows leaving the batch
-  (`generation.compacting`), the KV cache growing in place (`generation.kv_room`);
+  (`generation.compacting`), the KV cache growing in place (`generation.kv_room`), on a CPU
+  the weights laid out once for oneDNN (`generation.packed_weights`);
 * adapters unmerged;
 * every row to the end;
 * the KV cache grown by one concatenation per step (transformers' `DynamicLayer`);
@@ -189,7 +190,7 @@ def _sampling(model, tokenizer, args):
     def sample(merge: bool, compact: bool, grow_in_place: bool = True, pack: bool = True):
         concatenate = mock.patch.object(kv_room, "make_room", lambda cache, max_length: None)
         with (
-            merged(model) if merge else contextlib.nullcontext(),
+            merged(model, lay_out=pack) if merge else contextlib.nullcontext(),
             contextlib.nullcontext() if grow_in_place else concatenate,
         ):
             return generate_with_transformers(

@@ -141,6 +141,7 @@ def test_an_error_while_sampling_still_restores_the_base_weights():
     [
         (torch.bfloat16, {}, "bfloat16"),
         (torch.float32, {"use_dora": True}, "variant"),
+        (torch.float32, {"lora_bias": True}, "lora_bias"),
     ],
 )
 def test_no_merge_where_it_is_not_exact_enough(dtype, lora_kwargs, reason, caplog):

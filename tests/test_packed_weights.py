@@ -11,6 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GenerationConfig
 
 from trl_grpo_ext.generation import PromptEncoder, packed_weights
+from trl_grpo_ext.generation.merged_adapters import merged_lora
 from trl_grpo_ext.generation.packed_weights import packed_linear_weights
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
@@ -221,3 +222,36 @@ def test_other_dtypes_and_replaced_forwards_are_left_as_they_are():
             assert head.forward is replaced
         assert head.forward is replaced
     assert "forward" not in head.__dict__
+
+
+def test_merged_adapters_are_laid_out_without_a_dense_merged_copy():
+    """`merged_lora(lay_out=True)`: each base layer computes decoding steps with `W + s B A` laid
+    out, its weight stays `W` (no dense merged copy), and the prompts' pass (more rows) and any
+    pass autograd records compute as the unmerged layer does."""
+    model, tokenizer = lora_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    weight = layer.base_layer.weight.data
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    step, prompts = torch.randn(3, weight.shape[1]), torch.randn(80, weight.shape[1])
+    with torch.no_grad():
+        expected_step, expected_prompts = layer(step), layer(prompts)
+    with merged_lora(model, lay_out=True) as merged:
+        assert merged and layer.merged
+        assert layer.base_layer.weight.data_ptr() == weight.data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(layer(step), expected_step, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer(prompts), expected_prompts, atol=1e-5, rtol=1e-5)
+        out = layer(step)
+        torch.testing.assert_close(out, expected_step, atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+        assert layer.lora_B["default"].weight.grad.abs().sum() > 0
+    ids, logps, calls = sample(model, tokenizer, pack=False)
+    with merged_lora(model, lay_out=True):
+        laid_out_ids, laid_out_logps, laid_out_calls = sample(model, tokenizer, pack=True)
+    assert calls == 0 < laid_out_calls
+    assert torch.equal(laid_out_ids, ids)
+    torch.testing.assert_close(laid_out_logps, logps, atol=1e-5, rtol=1e-5)
+    after = model.state_dict()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any(getattr(m, "merged", False) for m in model.modules())

@@ -21,11 +21,13 @@ are, saying why once:
   where a decoding step costs its kernel launches, it took 0.70-0.88x the unmerged time at
   Qwen2.5-0.5B's shape. Then `W + s B A` is summed in float32 and rounded once.
 - not quantized: a 4-bit or 8-bit base layer cannot hold `W + s B A` (QLoRA samples unmerged);
-- plain LoRA on `nn.Linear` layers only (no DoRA or other variants, no sharded or partitioned
-  weights).
+- plain LoRA on `nn.Linear` layers only (no DoRA or other variants, no adapter biases, no
+  sharded or partitioned weights).
 
 Memory: the merged copies of the adapted weights exist during sampling only, next to the base
-weights (the size of the adapted layers again).
+weights (the size of the adapted layers again). On a CPU (`lay_out=True`, the engines'
+default) a float32 layer's merged weight exists only laid out for oneDNN
+(`packed_weights.py`), not as a dense copy too.
 
 The log-probs of a sampling pass with merged weights are those of the merged weights, so the
 behaviour log-probs an engine returns stay those of the weights that sampled.
@@ -34,9 +36,13 @@ behaviour log-probs an engine returns stay those of the weights that sampled.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
+import torch.nn.functional as F
+
+from . import packed_weights
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,8 @@ def why_not_merged(model, layers: list, low_precision: bool = False) -> str | No
             )
         if any(name in layer.lora_variant for name in layer.active_adapters):
             return "an adapter is a LoRA variant (DoRA, ...)"
+        if any(getattr(layer, "lora_bias", {}).get(name) for name in layer.active_adapters):
+            return "an adapter has a bias of its own (lora_bias=True), which W + s B A leaves out"
         weight = base.weight
         partitioned = hasattr(weight, "ds_id") or weight.untyped_storage().size() == 0
         if type(weight.data) is not torch.Tensor or weight.numel() == 0 or partitioned:
@@ -84,23 +92,28 @@ def why_not_merged(model, layers: list, low_precision: bool = False) -> str | No
     return None
 
 
-def merged_for_sampling(model, setting: str = "exact", log_reason: bool = True):
+def merged_for_sampling(
+    model, setting: str = "exact", log_reason: bool = True, lay_out: bool = True
+):
     """The block a sampling pass runs in under `sample_with_merged_adapters=setting`: "exact"
     merges where that is exact enough (`merged_lora`), "always" merges bf16 and fp16 weights
-    too, "never" leaves the adapters as they are."""
+    too, "never" leaves the adapters as they are. `lay_out`: `merged_lora`'s."""
     if setting == "never":
         return contextlib.nullcontext(False)
-    return merged_lora(model, log_reason, low_precision=setting == "always")
+    return merged_lora(model, log_reason, low_precision=setting == "always", lay_out=lay_out)
 
 
 @contextlib.contextmanager
-def merged_lora(model, log_reason: bool = True, low_precision: bool = False):
+def merged_lora(model, log_reason: bool = True, low_precision: bool = False, lay_out=False):
     """A block in which every active LoRA adapter of `model` is merged into its base layer.
 
     Yields True when the adapters are merged, False when the block runs unmerged (no LoRA
     layers, or `why_not_merged` gives a reason, logged at INFO level when `log_reason`).
-    `low_precision`: merge bfloat16 and float16 weights too. Afterwards each base layer holds
-    its original weight tensor again, untouched.
+    `low_precision`: merge bfloat16 and float16 weights too. `lay_out`: a base layer whose
+    weight `packed_weights` can lay out for oneDNN (float32, on a CPU) gets `W + s B A` laid
+    out, and no dense merged copy is kept: its other passes (the prompts') compute as the
+    unmerged layer does. Afterwards each base layer holds its original weight tensor again,
+    untouched.
     """
     layers = lora_layers(model)
     reason = why_not_merged(model, layers, low_precision) if layers else "no LoRA layers"
@@ -110,6 +123,7 @@ def merged_lora(model, log_reason: bool = True, low_precision: bool = False):
         yield False
         return
     saved = []  # (layer, base weight tensor, merged adapter names before)
+    laid_out = []  # (base layer, its laid-out forward)
     try:
         with torch.no_grad():
             for layer in layers:
@@ -122,10 +136,31 @@ def merged_lora(model, log_reason: bool = True, low_precision: bool = False):
                 for name in active:
                     merged += layer.get_delta_weight(name).to(merged.dtype)
                 saved.append((layer, weight.data, list(layer.merged_adapters)))
-                weight.data = merged.to(weight.dtype)
+                forward = None
+                if lay_out and packed_weights.packable(layer.base_layer):
+                    unmerged = functools.partial(_unmerged_forward, layer, active)
+                    forward = packed_weights.lay_out(layer.base_layer, merged, unmerged)
+                if forward is not None:
+                    laid_out.append((layer.base_layer, forward))
+                else:
+                    weight.data = merged.to(weight.dtype)
                 layer.merged_adapters = active  # PEFT's forward now calls the base layer alone
+                del merged
         yield True
     finally:
+        for base_layer, forward in laid_out:
+            packed_weights.restore(base_layer, forward)
         for layer, original, merged_adapters in saved:
             layer.base_layer.weight.data = original
             layer.merged_adapters = merged_adapters
+
+
+def _unmerged_forward(layer, active: list, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s output as its `active` adapters compute it unmerged, without dropout (sampling
+    runs in eval mode): `x W^T + b + sum of s (x A^T) B^T`."""
+    base = layer.base_layer
+    out = F.linear(x, base.weight, base.bias)
+    for name in active:
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        out = out + lora_B(lora_A(x.to(lora_A.weight.dtype))).to(out.dtype) * layer.scaling[name]
+    return out

@@ -24,6 +24,7 @@ Memory: the laid-out copies live for the block, the size of the model's linear w
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -48,8 +49,10 @@ def _available() -> bool:
     )
 
 
-def _packable(module) -> bool:
-    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+def packable(module) -> bool:
+    """Whether `module` is a plain `nn.Linear` whose weight can be laid out: float32, on the
+    CPU, at least `MIN_WEIGHTS` of them, its `forward` not replaced already."""
+    if not _available() or type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
     weight, bias = module.weight, module.bias
     return (
@@ -62,8 +65,22 @@ def _packable(module) -> bool:
     )
 
 
-def _packed_forward(module, packed: torch.Tensor):
-    weight, bias = module.weight, module.bias
+def lay_out(layer: torch.nn.Linear, weight: torch.Tensor | None = None, fallback=None):
+    """Makes `layer` (`packable`) compute decoding steps with `weight` (by default its own)
+    laid out for oneDNN, and everything else with `fallback(x)` (by default `F.linear` with its
+    own weight and bias; give one that computes as `weight` does when that is another tensor).
+    Returns the new forward, for `restore`, or None where oneDNN cannot lay it out."""
+    bias = layer.bias
+    if fallback is None:
+        fallback = functools.partial(F.linear, weight=layer.weight, bias=bias)
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(
+                (layer.weight if weight is None else weight).detach()
+            )
+    except RuntimeError as error:  # a build of torch whose oneDNN does not take it
+        logger.info("Sampling with F.linear: oneDNN cannot lay out %s: %s", layer, error)
+        return None
 
     def forward(x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -74,7 +91,7 @@ def _packed_forward(module, packed: torch.Tensor):
             or x.device.type != "cpu"
             or torch.is_autocast_enabled("cpu")
         ):
-            return F.linear(x, weight, bias)
+            return fallback(x)
         flat = x.reshape(rows, x.shape[-1])
         padding = -rows % ROW_MULTIPLE
         if padding:
@@ -82,7 +99,14 @@ def _packed_forward(module, packed: torch.Tensor):
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
+    layer.forward = forward
     return forward
+
+
+def restore(layer: torch.nn.Module, forward) -> None:
+    """Undoes `lay_out`'s `forward` on `layer`, unless something has replaced it since."""
+    if layer.__dict__.get("forward") is forward:
+        del layer.forward
 
 
 @contextlib.contextmanager
@@ -91,23 +115,15 @@ def packed_linear_weights(model, enabled: bool = True):
     their weights laid out once for oneDNN (see the module's docstring). Yields the number of
     layers that do; 0 where none can (`enabled=False`, a GPU, other dtypes, a torch without
     oneDNN)."""
-    layers = [m for m in model.modules() if _packable(m)] if enabled and _available() else []
+    layers = [m for m in model.modules() if packable(m)] if enabled else []
     patched = []  # (layer, its forward)
     try:
-        with torch.no_grad():
-            for layer in layers:
-                try:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
-                except RuntimeError as error:  # a build of torch whose oneDNN does not take it
-                    logger.info(
-                        "Sampling with F.linear: oneDNN cannot lay out %s: %s", layer, error
-                    )
-                    break
-                forward = _packed_forward(layer, packed)
-                layer.forward = forward
-                patched.append((layer, forward))
+        for layer in layers:
+            forward = lay_out(layer)
+            if forward is None:
+                break
+            patched.append((layer, forward))
         yield len(patched)
     finally:
         for layer, forward in patched:
-            if layer.__dict__.get("forward") is forward:
-                del layer.forward
+            restore(layer, forward)

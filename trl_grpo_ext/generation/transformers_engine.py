@@ -258,6 +258,9 @@ class TransformersEngine:
             bit for bit after.
         compact_finished_rows (`bool`, *optional*, defaults to `True`): finished rows leave the
             batch while sampling (`compacting.py`), the same tokens for the same seed.
+        pack_weights (`bool`, *optional*, defaults to `True`): on a CPU, the float32 linear
+            layers (merged ones included) sample with their weights laid out once for oneDNN
+            (`packed_weights.py`), the same tokens and log-probs up to float rounding.
     """
 
     own_weights = False  # it samples with the trainer's model: nothing to publish
@@ -271,15 +274,19 @@ class TransformersEngine:
         tokenizer=None,
         merge_adapters="exact",
         compact_finished_rows=True,
+        pack_weights=True,
     ):
         self.policy, self.cast_lm_head_to_fp32 = policy, cast_lm_head_to_fp32
+        self.pack_weights = pack_weights
         self.tokenizer, self.merge_adapters = tokenizer, merge_adapters
         self.compact_finished_rows = compact_finished_rows
         self._said_why_unmerged = False
 
     def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
         with self.policy() as model, contextlib.ExitStack() as stack:
-            merge = merged_for_sampling(model, self.merge_adapters, not self._said_why_unmerged)
+            merge = merged_for_sampling(
+                model, self.merge_adapters, not self._said_why_unmerged, self.pack_weights
+            )
             stack.enter_context(merge)
             self._said_why_unmerged = True
             if self.cast_lm_head_to_fp32:
@@ -293,6 +300,7 @@ class TransformersEngine:
                     tokenizer=self.tokenizer,
                     image_inputs=image_inputs,
                     compact_finished_rows=self.compact_finished_rows,
+                    pack_weights=self.pack_weights,
                 )
         return prompt_ids, prompt_mask, completion_ids, None
 
