@@ -8,17 +8,20 @@ out once (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU back
 frozen weights) and passed as it is to `torch.ops.mkldnn._linear_pointwise` (docs/benchmarks.md).
 Laying out all of SmolLM2's weights takes about 0.2 s, once per generation batch.
 
-`packed_linear_weights(model)` is the block in which every plain `nn.Linear` of `model` whose
-weight is a float32 CPU tensor computes that way, with the weight as it was when the block was
-entered (the merged weights, inside `merged_adapters.merged_lora`); afterwards the layers are
-as before and the laid-out copies are freed. The products are the same up to float rounding
-(about 1e-6 relative), so sampled tokens and their log-probs match those of `F.linear`
-(tests/test_packed_weights.py). A layer computes with `F.linear` as before wherever the laid-out
-weight does not apply: while autograd records, under autocast, or for inputs of another dtype.
-Layers whose `forward` something else has replaced on the instance (`logprobs.float32_head`) are
-left as they are.
+`packed_linear_weights(model)` is the block in which the plain `nn.Linear` layers of `model`
+that pay for it (`packable`: float32 weights on the CPU, at least `MIN_WEIGHTS` of them)
+compute decoding steps that way, with the weight as it was when the block was entered;
+afterwards the layers are as before and the laid-out copies are freed. A merged LoRA layer is
+laid out from `W + s B A` by `merged_adapters.merged_lora(lay_out=True)`, which keeps no dense
+merged copy. The products are the same up to float rounding (about 1e-6 relative), so sampled
+tokens and their log-probs match those of `F.linear` (tests/test_packed_weights.py). A layer
+computes as before wherever the laid-out weight does not pay or apply: passes of more than
+`MAX_ROWS` rows (the prompts'), while autograd records, under autocast, or for inputs of
+another dtype. Layers whose `forward` something else has replaced on the instance
+(`logprobs.float32_head`) are left as they are.
 
-Memory: the laid-out copies live for the block, the size of the model's linear weights again.
+Memory: the laid-out copies live for the block, the size of those layers' weights again (in
+place of the dense merged copies where adapters are merged).
 """
 
 from __future__ import annotations
