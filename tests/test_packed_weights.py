@@ -7,8 +7,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
-from transformers import GenerationConfig
+from test_merged_adapters import PROMPTS, Policy, lora_model, sampling
 
 from trl_grpo_ext.generation import PromptEncoder, packed_weights
 from trl_grpo_ext.generation.merged_adapters import merged_lora
@@ -19,13 +18,10 @@ from trl_grpo_ext.generation.transformers_engine import (
     seeded,
 )
 from trl_grpo_ext.logprobs import float32_head
-from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch is built without oneDNN"
 )
-
-PROMPTS = ["1+2=", "10+17=", "3+3=?"]
 
 
 @pytest.fixture(autouse=True)
@@ -33,30 +29,6 @@ def every_size(monkeypatch):
     """The tiny model's layers are all below the size from which laying out pays
     (`MIN_WEIGHTS`); the products are the same at any size, so here every layer is laid out."""
     monkeypatch.setattr(packed_weights, "MIN_WEIGHTS", 0)
-
-
-def lora_model(dtype=torch.float32):
-    """The tiny model with LoRA on all linear layers, its B matrices random (not zeros)."""
-    model, tokenizer = tiny_model_and_tokenizer(seed=0)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = get_peft_model(model.to(dtype), config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
-    return model.eval(), tokenizer
-
-
-def sampling(tokenizer) -> GenerationConfig:
-    return GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        max_new_tokens=12,
-        num_return_sequences=4,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
 
 
 class Counted:
@@ -108,17 +80,7 @@ def test_the_engine_samples_merged_and_laid_out_as_the_plain_adapters_do():
     model, tokenizer = lora_model()
     prompt_ids, prompt_mask = PromptEncoder(tokenizer).encode(PROMPTS)
 
-    class Policy:
-        def __call__(self):
-            return self
-
-        def __enter__(self):
-            return model
-
-        def __exit__(self, *exc):
-            return False
-
-    engine = TransformersEngine(Policy())
+    engine = TransformersEngine(Policy(model))
     counted = Counted()
     with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", counted):
         _, _, ids, _ = engine.generate(prompt_ids, prompt_mask, sampling(tokenizer), seed=5)
