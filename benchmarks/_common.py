@@ -553,12 +553,18 @@ def run_alternating(
     spec: dict, rounds: int, log=print, in_process: bool = False
 ) -> dict[str, list[dict]]:
     """Runs ours and TRL in turn, `rounds` times each (A B A B), each in a fresh process (or, for
-    a quick smoke test, `in_process`, where the peak memory is no longer per trainer)."""
+    a quick smoke test, `in_process`, where the peak memory is no longer per trainer).
+
+    Round `i` seeds both trainers with `seed + i`: within a round both sides start from the
+    same LoRA weights and sampling seed, and each round draws other completions, so the tokens
+    per step (the divisor of the time per token) average over `rounds` draws instead of
+    repeating one."""
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
     for round_index in range(rounds):
         for trainer in ("ours", "trl"):
             run_spec = {
                 **spec,
+                "seed": spec.get("seed", DEFAULTS["seed"]) + round_index,
                 "trainer": trainer,
                 "output_dir": str(Path(spec["output_dir"]) / f"{trainer}-{round_index}"),
             }

@@ -177,6 +177,35 @@ def test_table_ratios():
     assert "| peak RSS (MiB) | 1 | 2 | 0.50 |" in table
 
 
+def test_each_round_seeds_both_trainers_alike_and_draws_anew(monkeypatch, tmp_path):
+    # Within a round both trainers start from the same seed; the next round draws other
+    # completions, so the tokens per step average over rounds instead of repeating one draw.
+    common = load("_common")
+    seen = []
+
+    def worker(spec):
+        seen.append((spec["trainer"], spec["seed"], Path(spec["output_dir"]).name))
+        return {"seconds": [1.0], "warmup_steps": 0}
+
+    monkeypatch.setattr(common, "run_worker", worker)
+    spec = {"output_dir": str(tmp_path), "seed": 7}
+    results = common.run_alternating(spec, 3, log=lambda *a, **k: None, in_process=True)
+    assert seen == [
+        ("ours", 7, "ours-0"),
+        ("trl", 7, "trl-0"),
+        ("ours", 8, "ours-1"),
+        ("trl", 8, "trl-1"),
+        ("ours", 9, "ours-2"),
+        ("trl", 9, "trl-2"),
+    ]
+    assert len(results["ours"]) == len(results["trl"]) == 3
+    seen.clear()
+    common.run_alternating(
+        {"output_dir": str(tmp_path)}, 1, log=lambda *a, **k: None, in_process=True
+    )
+    assert [seed for _, seed, _ in seen] == [common.DEFAULTS["seed"]] * 2
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_vllm_cpu_settings_only_on_cpu(tmp_path, monkeypatch, device):
     """vLLM's CPU settings (a 1 GiB KV cache, the engine in the trainer's process) on a GPU would
