@@ -104,7 +104,7 @@ def merged_for_sampling(
 
 
 @contextlib.contextmanager
-def merged_lora(model, log_reason: bool = True, low_precision: bool = False, lay_out=False):
+def merged_lora(model, log_reason: bool = True, low_precision: bool = False, lay_out: bool = False):
     """A block in which every active LoRA adapter of `model` is merged into its base layer.
 
     Yields True when the adapters are merged, False when the block runs unmerged (no LoRA
