@@ -251,7 +251,12 @@ class GroupRelativeConfig(TrainingArguments):
     )
     cache_implementation: str | None = field(
         default=SamplingSettings.cache_implementation,
-        metadata={"help": "Cache implementation of `generate` (e.g. 'static'); None: its default."},
+        metadata={
+            "help": "Cache implementation of `generate` (e.g. 'static', 'dynamic'), used as given. "
+            "None: on CUDA, compiled decoding (a static cache sized to each batch, the decoding "
+            "steps compiled into CUDA graphs); elsewhere the dynamic cache. 'dynamic' or "
+            "generation_kwargs={'disable_compile': True} gives TRL's behaviour."
+        },
     )
     steps_per_generation: int | None = field(
         default=None,

@@ -25,7 +25,9 @@ class SamplingSettings:
 
     `top_k=0` and `min_p=None` disable those filters (no logits processor is built for them), as
     in TRL; `generation_kwargs` (any `GenerationConfig` field, and vLLM's `stop`) override the
-    others.
+    others. `cache_implementation=None` leaves the cache to the engine: on CUDA the transformers
+    engine decodes compiled with a static cache (`compiled_decoding.py`); a value is used as
+    given, as `disable_compile` in `generation_kwargs` is.
     """
 
     max_completion_length: int = 256

@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..logprobs import float32_head, token_logprobs, transformers_model
-from . import compacting
+from . import compacting, compiled_decoding
 from .merged_adapters import merged_for_sampling
 from .packed_weights import packed_linear_weights
 from .sampling import isolated_from_checkpoint
@@ -53,6 +53,11 @@ def generate_with_transformers(
     dropping rows would not be exact (an unknown logits processor, a cache whose rows cannot be
     selected), every row runs to the end; where the loop cannot run (ZeRO-3, FSDP,
     transformers before 5.24), `generate` itself samples.
+
+    On CUDA, where the settings leave the cache to the engine (no `cache_implementation`, no
+    `disable_compile`), the decoding steps run compiled with a static cache sized and bucketed
+    to the batch (`compiled_decoding.py`): the same distribution, a few graphs per run; where
+    it cannot run, the reason is logged once and the dynamic cache samples as above.
 
     With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
     policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
@@ -104,7 +109,11 @@ def _generate(model, encoded, generation_config, return_logprobs, compact_finish
         generation_config.output_logits = True
         generation_config.return_dict_in_generate = True
     generated = None
-    if group_size > 1 and generation_config.do_sample:
+    if compiled_decoding.runs(model, generation_config, encoded):  # CUDA's default
+        generated = compiled_decoding.sample(
+            model, encoded, generation_config, compact_finished_rows
+        )
+    elif group_size > 1 and generation_config.do_sample:
         generated = _generate_groups(
             model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished_rows
         )
