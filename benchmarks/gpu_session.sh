@@ -86,7 +86,7 @@ started=$(date +%s)
 echo "step,exit_code,seconds" > "$OUT/summary.csv"
 
 # The lines of a step's log copied into session.log: losses, accuracies, errors, table rows.
-FIGURES="^\{'loss'|held-out accuracy|Error|Total|the merge moves|FAILED|[0-9]+ passed"
+FIGURES="^\{'loss'|held-out accuracy|Error|Total|the merge moves|FAILED|[0-9]+ passed|Recompiling"
 FIGURES+="|\| (median|peak|ours|adapters|every|packed|unpacked|by blocks)"
 log() { echo "[$(( $(date +%s) - started )) s] $*" | tee -a "$OUT/session.log"; }
 
@@ -173,12 +173,14 @@ step cuda-tests "$TESTS_TIMEOUT" env PYTEST_FAILURES_LOG="$OUT/cuda-tests-failur
     -p no:benchmark -m "gpu or not slow" $(has xdist && echo "-n 12") tests/test_cuda.py \
     tests/test_transformers_matrix.py
 
-# 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps.
+# 3. Ours against TRL on one GPU: a Qwen2.5-0.5B-shaped model, bf16, LoRA, 1 round of 2 steps,
+# each with its default settings: ours decodes compiled (a static cache sized to the batch, CUDA
+# graphs; compiled in the warm-up step), TRL with the dynamic cache.
 step benchmark "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --output-dir "$OUT/benchmark" --json "$OUT/benchmark.json"
 
-# 3b. The same with a static cache, which both trainers' decoding steps then run compiled (CUDA
-# graphs: one replay a step where the uncompiled forward launches each kernel from Python).
+# 3b. The same with cache_implementation static for both, used as given: ours' decoding steps
+# compiled by `generate` (a cache of generate's own length), TRL's uncompiled (disable_compile).
 step benchmark-static "$BENCH_TIMEOUT" $PYTHON benchmarks/gpu.py --rounds 1 --steps 2 \
     --cache-implementation static --output-dir "$OUT/benchmark-static" \
     --json "$OUT/benchmark-static.json"
@@ -189,7 +191,10 @@ step profile "$PROFILE_TIMEOUT" $PYTHON benchmarks/profile_step.py --shape qwen2
     --device cuda --steps 1 --trl
 
 # 5. Each GPU preset for 2 steps on one GPU, with the recipe its first line launches; held-out
-# evaluation of 8 problems before and after, and once in between.
+# evaluation of 8 problems before and after, and once in between. Compiled decoding is on (CUDA's
+# default) with prompts of several lengths (the synthetic problems) and evaluation's batches of
+# other sizes: TORCH_LOGS=recompiles writes each graph compiled after the first to the log (and
+# why), so the log shows how many graphs a run compiles (docs/benchmarks.md, "On a GPU").
 # smoke NAME PRESET [ARGS...]: PRESET for 2 steps on one GPU as step smoke-NAME, with ARGS.
 smoke() {
     local name=$1 preset=$2 recipe
@@ -200,7 +205,8 @@ smoke() {
         recipe="recipes/math.py $SWAPS --eval_num_samples 0 --eval_every_steps 1"
         grep -q "^use_vllm: true" "$preset" && ! has vllm && recipe+=" --use_vllm false"
     fi
-    step "smoke-$name" "$SMOKE_TIMEOUT" $PYTHON -m accelerate.commands.launch --num_processes 1 \
+    step "smoke-$name" "$SMOKE_TIMEOUT" env TORCH_LOGS=recompiles \
+        $PYTHON -m accelerate.commands.launch --num_processes 1 \
         $recipe --config "$preset" "$@" --max_steps 2 --logging_steps 1 --save_strategy no \
         --output_dir "$OUT/runs/$name" ${SMOKE_ARGS:-}
 }
@@ -208,11 +214,10 @@ for preset in $PRESETS; do
     smoke "$(basename "$preset" .yaml)" "$preset"
 done
 
-# 5b. The 0.5B preset again with a static cache, whose decoding steps `generate` compiles (ours
-# only: TRL turns compiling off): prompts of several lengths and evaluation's batches, each a
-# shape the compiled call meets.
-smoke static-cache recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml \
-    --cache_implementation static
+# 5b. The 0.5B preset again with compiled decoding off (the dynamic cache, TRL's behaviour): its
+# steps' times beside the compiled ones of step 5, and the opt-out's path on a GPU.
+smoke dynamic-cache recipes/configs/qwen2.5-0.5b-instruct_gsm8k_lora.yaml \
+    --cache_implementation dynamic
 
 # 6. Each lever on and off in one process, at the same shape (benchmarks/levers.py): merged
 # adapters (merged in bf16 here, with how far that moves the sampled tokens' log-probs),
