@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
@@ -104,10 +105,15 @@ def test_a_run_of_many_prompt_lengths_and_batch_sizes_compiles_once_per_bucket(t
     assert graphs() - before == compiled
 
 
-def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny):
+@pytest.mark.parametrize("lora", [False, True], ids=["model", "lora"])
+def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny, lora):
     """Five prompts of several lengths: six rows compiled (one a padded copy), a static cache
-    of a bucket's length; the tokens are those of the dynamic cache, uncompiled."""
+    of a bucket's length, in one graph (no break, the model's LoRA layers included, as the
+    trainer samples); the tokens are those of the dynamic cache, uncompiled."""
     model, tokenizer = tiny
+    if lora:  # adapters that move the outputs (PEFT's default B = 0 would not)
+        adapters = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, adapters).eval()
     prompts = PromptEncoder(tokenizer).encode(PROMPTS[:5])
     before = graphs()
     compiled = generate_with_transformers(
