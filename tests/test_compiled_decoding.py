@@ -115,11 +115,24 @@ def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny, lora):
         adapters = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
         model = get_peft_model(model, adapters).eval()
     prompts = PromptEncoder(tokenizer).encode(PROMPTS[:5])
+    caches = []  # (rows, positions) of the KV cache of each forward pass
+
+    def cache_shape(module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        caches.append(tuple(cache.layers[0].keys.shape[::2]))  # (rows, heads, positions, dim)
+
+    inner = model.get_base_model() if lora else model
+    hook = inner.register_forward_hook(cache_shape, with_kwargs=True)
     before = graphs()
     compiled = generate_with_transformers(
         model, *prompts, generation_config=config(tokenizer, greedy=True, compile_config=forced())
     )
+    hook.remove()
     assert graphs() > before  # the compiled call decoded
+    # the batch's size: 6 rows, the 16 tokens of the longest prompt and 8 new ones in 24
+    # positions, not the model's 2,048
+    assert prompts[0].shape == (5, 16) and model.config.max_position_embeddings == 2048
+    assert set(caches) == {(6, 24)}
     plain = generate_with_transformers(
         model, *prompts, generation_config=config(tokenizer, greedy=True, disable_compile=True)
     )
