@@ -7,6 +7,7 @@ greedy tokens are those of uncompiled decoding; the sampled tokens' log-probs ar
 uncompiled pass over them; settings that ask otherwise, and setups where it cannot run, keep
 the dynamic path, the reason logged once."""
 
+import contextlib
 import logging
 import math
 
@@ -19,7 +20,11 @@ from transformers import CompileConfig
 from trl_grpo_ext.generation import PromptEncoder, compiled_decoding, sampling_config
 from trl_grpo_ext.generation.compiled_decoding import DecodingShape, bucket, decoding_shape
 from trl_grpo_ext.generation.rollout import completion_mask_from_ids
-from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
+from trl_grpo_ext.generation.transformers_engine import (
+    TransformersEngine,
+    generate_with_transformers,
+    seeded,
+)
 from trl_grpo_ext.logprobs import completion_logprobs
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
@@ -105,15 +110,11 @@ def test_a_run_of_many_prompt_lengths_and_batch_sizes_compiles_once_per_bucket(t
     assert graphs() - before == compiled
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["model", "lora"])
-def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny, lora):
+def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny):
     """Five prompts of several lengths: six rows compiled (one a padded copy), a static cache
-    of a bucket's length, in one graph (no break, the model's LoRA layers included, as the
-    trainer samples); the tokens are those of the dynamic cache, uncompiled."""
+    of a bucket's length, in one graph (no break); the tokens are those of the dynamic cache,
+    uncompiled."""
     model, tokenizer = tiny
-    if lora:  # adapters that move the outputs (PEFT's default B = 0 would not)
-        adapters = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
-        model = get_peft_model(model, adapters).eval()
     prompts = PromptEncoder(tokenizer).encode(PROMPTS[:5])
     caches = []  # (rows, positions) of the KV cache of each forward pass
 
@@ -121,8 +122,7 @@ def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny, lora):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         caches.append(tuple(cache.layers[0].keys.shape[::2]))  # (rows, heads, positions, dim)
 
-    inner = model.get_base_model() if lora else model
-    hook = inner.register_forward_hook(cache_shape, with_kwargs=True)
+    hook = model.register_forward_hook(cache_shape, with_kwargs=True)
     before = graphs()
     compiled = generate_with_transformers(
         model, *prompts, generation_config=config(tokenizer, greedy=True, compile_config=forced())
@@ -139,6 +139,26 @@ def test_greedy_tokens_are_those_of_uncompiled_decoding(tiny, lora):
     assert graphs() == before + 1
     for got, want in zip(compiled, plain):
         assert torch.equal(got, want)
+
+
+def test_the_engine_compiles_once_for_its_batches_with_merged_adapters_and_float32_head(tiny):
+    """`TransformersEngine`, as the trainer samples: each batch in a block that merges the LoRA
+    adapters and computes the head in float32 (new tensors each time); batches of one shape
+    compile one graph, and later batches none."""
+    model, tokenizer = tiny
+    adapters = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(model, adapters).eval()  # B != 0: the adapters move the outputs
+    engine = TransformersEngine(
+        lambda: contextlib.nullcontext(model),
+        cast_lm_head_to_fp32=True,
+        merge_adapters="exact",
+        pack_weights=False,  # oneDNN's CPU layout, which a GPU has not
+    )
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS[:2])
+    before = graphs()
+    for seed in range(3):
+        engine.generate(*prompts, config(tokenizer, group_size=2, compile_config=forced()), seed)
+        assert graphs() == before + 1
 
 
 def assert_logprobs_of_an_uncompiled_pass(model, tokenizer, sampled, tolerance):
