@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 MIN_TORCH = (2, 6)
 # The inputs a compiled batch carries; others (a processor's image fields) are not padded here.
 TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "tokenizer"})
-_said: set[str] = set()  # the reasons and shapes logged in this process
+_said: set = set()  # the reasons (str) and shapes (DecodingShape) logged in this process
 
 
 def bucket(value: int) -> int:
@@ -123,7 +123,7 @@ def unavailable(model, generation_config: GenerationConfig, inputs: dict) -> str
     quantizer = getattr(inner, "hf_quantizer", None)
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         return "the model's quantization does not compile"
-    if len(set(getattr(inner, "hf_device_map", {}).values())) > 1:
+    if len(set((getattr(inner, "hf_device_map", None) or {}).values())) > 1:
         return "the model is spread over several devices (device_map)"
     return None
 
