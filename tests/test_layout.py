@@ -1,8 +1,9 @@
 """The package's layering (DESIGN.md, "Generation"): nothing in `trl_grpo_ext/generation/`
 imports the training side (trainer, checkpoints, batches, hub, objective, ...); what training
-needs from generation, it asks for. The one module both sides share is `logprobs.py`, the
+needs from generation, it asks for. The modules both sides share are `logprobs.py`, the
 log-prob math, which imports neither: only `packed_attention.py`, its attention over packed
-rows, which imports nothing from the package."""
+rows; and `internals.py`, the table of fast paths on libraries' private internals, which
+imports nothing from the package."""
 
 import ast
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_grpo_ext"
-GENERATION_MAY_IMPORT = ("trl_grpo_ext.generation", "trl_grpo_ext.logprobs")
+GENERATION_MAY_IMPORT = (
+    "trl_grpo_ext.generation",
+    "trl_grpo_ext.logprobs",
+    "trl_grpo_ext.internals",
+)
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
@@ -63,11 +68,14 @@ def test_generation_imports_nothing_from_the_training_side(path, module, is_pack
     )
 
 
-def test_logprobs_imports_nothing_from_the_package_but_its_attention():
+def test_logprobs_imports_nothing_from_the_package_but_its_attention_and_internals():
     names = imported_modules((PACKAGE / "logprobs.py").read_text(), "trl_grpo_ext.logprobs")
     assert not outside(names, ("trl_grpo_ext.packed_attention",))
     source = (PACKAGE / "packed_attention.py").read_text()
-    assert not outside(imported_modules(source, "trl_grpo_ext.packed_attention"), ())
+    names = imported_modules(source, "trl_grpo_ext.packed_attention")
+    assert not outside(names, ("trl_grpo_ext.internals",))
+    source = (PACKAGE / "internals.py").read_text()
+    assert not outside(imported_modules(source, "trl_grpo_ext.internals"), ())
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,10 @@ another model) run transformers' SDPA unchanged.
 It works by registering one attention implementation with transformers (`ATTENTION`) and
 selecting it in the model's config while the mask lives (through the backward pass where
 gradient checkpointing keeps it for the recomputation); a model whose attention is not SDPA is
-left as it is (`attends_by_blocks`).
+left as it is (`attends_by_blocks`). Selecting it writes the config's private
+`_attn_implementation`: on transformers releases outside those it is tested on
+(`internals.FAST_PATHS["attention_by_blocks"]`) a packed row attends under its whole-row mask,
+and that is logged once.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .internals import usable
 
 __all__ = ["ATTENTION", "attends_by_blocks", "block_slots", "register_packed_mask"]
 
@@ -117,8 +122,10 @@ _LOCK = threading.Lock()
 
 def attends_by_blocks(config) -> bool:
     """Whether a packed mask registered for this (text) config is attended block by block: the
-    model runs SDPA (`register_packed_mask` refuses other implementations)."""
-    return getattr(config, "_attn_implementation", None) in ("sdpa", ATTENTION)
+    model runs SDPA (`register_packed_mask` refuses other implementations), on a transformers
+    release this is tested on (`internals.FAST_PATHS["attention_by_blocks"]`)."""
+    sdpa = getattr(config, "_attn_implementation", None) in ("sdpa", ATTENTION)
+    return sdpa and usable("attention_by_blocks")
 
 
 def block_slots(prefix_length: int, lengths: torch.Tensor, block_length: int):

@@ -28,12 +28,13 @@ are then padding in `generate` too), logits processors and stopping criteria tha
 each row alone (`ROW_WISE_PROCESSORS`, `ROW_WISE_CRITERIA`), a cache whose rows can be
 selected (`rows_selectable`: dynamic attention layers, hybrid models' recurrent ones), and
 model inputs whose rows can be selected (`ROW_INPUTS`). Otherwise the loop runs as `generate`'s.
+The loop calls `generate`'s private helpers: on transformers releases outside those it is tested
+on (`internals.FAST_PATHS["sampling_loop"]`), `generate` samples itself, and says so once.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 
 import torch
@@ -47,6 +48,7 @@ from transformers.generation import (
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from ..internals import usable
 from ..logprobs import transformers_model
 from . import kv_room
 
@@ -121,25 +123,19 @@ def can_compact(model) -> bool:
     ):
         return False
     inner = transformers_model(model)
-    if inner is None or not _has_generate_internals(inner):
+    if inner is None or not _prepares_steps(inner):
         return False
-    return not (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
+    if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model):
+        return False
+    # `generate`'s private helpers, on the transformers releases it is tested on (internals.py)
+    return usable("sampling_loop")
 
 
-def _has_generate_internals(model) -> bool:
-    """The parts of `generate`'s own loop that `compacting_sample` calls (transformers 5.24);
-    an older or newer `generate` without them samples as it is."""
+def _prepares_steps(model) -> bool:
+    """Whether the model prepares each step's inputs as `compacting_sample` calls it (a model
+    of remote code may prepare them its own way)."""
     prepare = getattr(model, "prepare_inputs_for_generation", None)
-    output_fields = {field.name for field in dataclasses.fields(GenerateDecoderOnlyOutput)}
-    return (
-        "cache" in output_fields  # before 5.24 (5.19 has `_prefill`): `past_key_values`
-        and hasattr(model, "_prefill")
-        and hasattr(model, "_optimize_model_for_decode")
-        and hasattr(model, "_valid_auto_compile_criteria")
-        and hasattr(model, "get_compiled_call")
-        and prepare is not None
-        and "next_sequence_length" in inspect.signature(prepare).parameters
-    )
+    return prepare is not None and "next_sequence_length" in inspect.signature(prepare).parameters
 
 
 # Cache layers whose rows `batch_select_indices` selects (and repeats): attention's keys and

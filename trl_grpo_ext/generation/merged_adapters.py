@@ -22,7 +22,9 @@ are, saying why once:
   Qwen2.5-0.5B's shape. Then `W + s B A` is summed in float32 and rounded once.
 - not quantized: a 4-bit or 8-bit base layer cannot hold `W + s B A` (QLoRA samples unmerged);
 - plain LoRA on `nn.Linear` layers only (no DoRA or other variants, no adapter biases, no
-  sharded or partitioned weights).
+  sharded or partitioned weights);
+- a PEFT release it is tested on (`internals.FAST_PATHS["merged_lora"]`): marking a layer
+  merged sets PEFT's own state, `merged_adapters`.
 
 Memory: the merged copies of the adapted weights exist during sampling only, next to the base
 weights (the size of the adapted layers again). On a CPU (`lay_out=True`, the engines'
@@ -42,6 +44,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..internals import usable, why_off
 from . import packed_weights
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ def why_not_merged(model, layers: list, low_precision: bool = False) -> str | No
             )
         if getattr(layer, "merged", False):
             return "the adapters are merged already"
+    if not usable("merged_lora"):  # marks the layers merged as PEFT's merge would
+        return why_off("merged_lora")
     return None
 
 

@@ -18,7 +18,9 @@ tokens and their log-probs match those of `F.linear` (tests/test_packed_weights.
 computes as before wherever the laid-out weight does not pay or apply: passes of more than
 `MAX_ROWS` rows (the prompts'), while autograd records, under autocast, or for inputs of
 another dtype. Layers whose `forward` something else has replaced on the instance
-(`logprobs.float32_head`) are left as they are.
+(`logprobs.float32_head`) are left as they are. The two oneDNN ops are torch's private ones: on a
+torch outside the releases they are tested on (`internals.FAST_PATHS["packed_weights"]`) every
+layer computes with `F.linear`, and that is logged once.
 
 Memory: the laid-out copies live for the block, the size of those layers' weights again (in
 place of the dense merged copies where adapters are merged).
@@ -28,13 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
+from ..internals import fell_back, usable
 
 # Measured on 2 AMD EPYC cores (docs/benchmarks.md): below about 2**18 weights (1 MiB in float32)
 # `F.linear` is as fast, MKL's copy of a small weight costing little; the same above about 64
@@ -46,16 +46,11 @@ MAX_ROWS = 64
 ROW_MULTIPLE = 8
 
 
-def _available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
-
-
 def packable(module) -> bool:
     """Whether `module` is a plain `nn.Linear` whose weight can be laid out: float32, on the
-    CPU, at least `MIN_WEIGHTS` of them, its `forward` not replaced already."""
-    if not _available() or type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+    CPU, at least `MIN_WEIGHTS` of them, its `forward` not replaced already; and oneDNN's
+    private ops on a torch they are tested on (`internals.FAST_PATHS["packed_weights"]`)."""
+    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
     weight, bias = module.weight, module.bias
     return (
@@ -65,6 +60,7 @@ def packable(module) -> bool:
         and weight.numel() >= MIN_WEIGHTS  # also: not partitioned away (DeepSpeed ZeRO-3)
         and not hasattr(weight, "ds_id")
         and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
+        and usable("packed_weights")
     )
 
 
@@ -82,7 +78,7 @@ def lay_out(layer: torch.nn.Linear, weight: torch.Tensor | None = None, fallback
                 (layer.weight if weight is None else weight).detach()
             )
     except RuntimeError as error:  # a build of torch whose oneDNN does not take it
-        logger.info("Sampling with F.linear: oneDNN cannot lay out %s: %s", layer, error)
+        fell_back("packed_weights", f"oneDNN cannot lay out {layer}: {error}")
         return None
 
     def forward(x):

@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from ..internals import usable
 from .merged_adapters import merged_for_sampling
 from .transformers_engine import generate_with_transformers, seeded
 from .weights import OwnWeights
@@ -71,10 +72,10 @@ def _register_output_capture(model) -> None:
     vision-language model's image features find no hidden states)."""
     from transformers import PreTrainedModel
 
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # a transformers without the registry
+    if not usable("worker_output_capture"):  # a transformers it is not tested on
         return
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
     # keyed by the class's name in every version (5.24 wraps the dict to take the model)
     for module in model.modules():
         key = str(type(module))
