@@ -71,7 +71,33 @@ def test_inline_python_blocks_compile():
                 continue  # included from docs/examples, run by test_example_runs
             compile(block, f"{page.name}, python block {index + 1}", "exec")
             checked += 1
-    assert checked >= 0  # pages may have none; the loop above is the check
+    assert checked > 0, "no page has an inline Python block: the pattern or the pages changed"
+
+
+# Any line that opens a Python code block, however it is written (indented in a list, `~~~`,
+# `py`), so that a block the pattern of `python_blocks` misses is an error, not a block that no
+# test compiles or runs.
+ANY_PYTHON_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[ \t]*\{?\.?(?:python3?|py|pycon)\b", re.M | re.I)
+
+
+def test_every_python_block_of_the_pages_is_checked():
+    """Each Python block of each page is found, and then compiled (inline blocks) or run (the
+    examples it includes): no block is left out because of how its fence is written."""
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        found, written = len(python_blocks(page)), len(ANY_PYTHON_FENCE.findall(text))
+        assert found == written, (
+            f"{page.name} has {written} Python blocks, of which {found} are checked: open each "
+            "one with ```python at the start of a line (not indented, not ~~~ or ```py)."
+        )
+
+
+@pytest.mark.parametrize(
+    "block",
+    ["   ```python\nx = 1\n   ```\n", "~~~python\nx = 1\n~~~\n", "```py\nx = 1\n```\n"],
+)
+def test_a_python_block_the_pattern_misses_is_seen(block):
+    assert len(FENCE.findall(block)) == 0 and len(ANY_PYTHON_FENCE.findall(block)) == 1
 
 
 def test_snippets_point_at_existing_sections():

@@ -6,6 +6,7 @@ rows; and `internals.py`, the table of fast paths on libraries' private internal
 imports nothing from the package."""
 
 import ast
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -121,4 +122,72 @@ def test_checkpoints_use_the_public_methods_of_trainer_and_producer():
     # the walk does find such uses
     assert private_attributes_used("trainer.rollouts._restored = 1", ("trainer",)) == {
         "trainer._restored"
+    }
+
+
+# A function longer than this reads as several steps: split it at those steps, or make its cases
+# a table (STYLE.md: a table of functions reads better than a chain of branches). Counted from
+# the `def` line to the last line, docstring included.
+MAX_FUNCTION_LINES = 100
+# Functions allowed past it for now, as "path/to/module.py:Class.function", each with the reason.
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """`{"Class.function": lines}` of the functions and methods in `source`, at any depth,
+    longer than `limit` lines."""
+    found = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    lines = child.end_lineno - child.lineno + 1
+                    if lines > limit:
+                        found[name] = lines
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_no_function_of_the_package_is_longer_than_the_limit():
+    too_long = {
+        f"{path.relative_to(PACKAGE.parent)}:{name}": lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path.read_text(encoding="utf-8")).items()
+    }
+    unexpected = {
+        name: lines for name, lines in too_long.items() if name not in LONG_FUNCTIONS_ALLOWED
+    }
+    assert not unexpected, (
+        f"functions over {MAX_FUNCTION_LINES} lines: {unexpected}; split them at their natural "
+        "steps (or make a table of their cases)."
+    )
+    stale = sorted(set(LONG_FUNCTIONS_ALLOWED) - set(too_long))
+    assert not stale, f"no longer over the limit: take {stale} off LONG_FUNCTIONS_ALLOWED."
+
+
+def function_of(name: str, lines: int, indent: str = "") -> str:
+    """The source of a function of `lines` lines, its `def` line included."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(lines - 1))
+    return textwrap.indent(f"def {name}():\n{body}", indent)
+
+
+def test_the_walk_measures_functions_and_methods_at_any_depth():
+    source = (
+        function_of("fits", MAX_FUNCTION_LINES)
+        + "class Loop:\n"
+        + function_of("run", MAX_FUNCTION_LINES + 1, "    ")
+        + "async def outer():\n"
+        + function_of("inner", MAX_FUNCTION_LINES + 1, "    ")
+        + "    return 2\n"
+    )
+    assert long_functions(source) == {
+        "Loop.run": MAX_FUNCTION_LINES + 1,
+        "outer": MAX_FUNCTION_LINES + 3,
+        "outer.inner": MAX_FUNCTION_LINES + 1,
     }

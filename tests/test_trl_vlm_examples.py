@@ -1,11 +1,12 @@
-"""TRL's own vision-language GRPO example scripts, run on our trainer with only the import
-changed.
+"""A TRL user's vision-language GRPO script, run on our trainer with only the import changed.
 
-The scripts (`examples/scripts/grpo_vlm.py`, `examples/scripts/gspo_vlm.py`) are read from a
-TRL source tree, a checkout or a bare mirror, named by the `TRL_REPO` environment variable
-(default: the stored snapshot at `/work/.mirror/huggingface+trl/repo`); the tests skip when
-there is none. The project keeps no copy of them. Each script runs as written, with one line
-added before its `if __name__ == "__main__":`:
+`tests/trl_examples/grpo_vlm.py` is the project's own script, written from TRL's documented usage
+(it imports `GRPOConfig` and `GRPOTrainer` from `trl`, as a TRL user's script does). It runs with
+the settings of two commands: GRPO, and GSPO's sequence-level importance sampling. With the
+environment variable `TRL_REPO` set to a TRL source tree (a checkout or a bare clone), TRL's own
+`examples/scripts/grpo_vlm.py` and `gspo_vlm.py` from that tree run too, with the same settings
+(TRL's packages on PyPI do not hold them). Each script runs as written, with one line added before
+its `if __name__ == "__main__":`:
 
     from trl_grpo_ext import GroupRelativeConfig as GRPOConfig, GroupRelativeTrainer as GRPOTrainer
 
@@ -13,23 +14,26 @@ What running offline on a CPU in seconds needs, and nothing else:
 - `load_dataset("lmms-lab/multimodal-open-r1-8k-verified")` returns 104 rows of the same
   columns (`image`, `problem`, `solution`) with small pictures, built here;
 - `--model_name_or_path` is a folder with the tiny VLM (`trl_grpo_ext.tiny_vlm`);
-- the documented command's settings, shrunk: one step, 2 completions of 8 tokens, LoRA on
-  `q_proj` and `v_proj` as documented, float32, no vLLM (images with vLLM are an error for now,
-  docs/vision-language.md).
+- the commands' settings, shrunk: one step, 2 completions of 8 tokens, LoRA on `q_proj` and
+  `v_proj`, float32, no vLLM (images with vLLM are an error for now, docs/vision-language.md).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from trl_grpo_ext.tiny_vlm import save_tiny_vlm
 
-TRL_REPO = os.environ.get("TRL_REPO", "/work/.mirror/huggingface+trl/repo")
+TRL_REPO = os.environ.get("TRL_REPO")  # a TRL source tree, whose scripts run too
+OUR_SCRIPT = Path(__file__).parent / "trl_examples" / "grpo_vlm.py"
 IMPORT = (
     "from trl_grpo_ext import GroupRelativeConfig as GRPOConfig, "
     "GroupRelativeTrainer as GRPOTrainer\n"
@@ -41,19 +45,20 @@ import runpy, sys
 import datasets
 from PIL import Image
 
-def load_dataset(name, split=None, **kwargs):
-    assert name == "lmms-lab/multimodal-open-r1-8k-verified", name
+def load_dataset(path, name=None, split=None, **kwargs):
+    assert path == "lmms-lab/multimodal-open-r1-8k-verified", path
+    assert name is None and split == "train", (name, split)
     colors = {"red": (255, 0, 0), "blue": (0, 0, 255)}
     rows = [
         {
-            "image": Image.new("RGB", (24 + i % 5, 20), colors[name]).convert(
+            "image": Image.new("RGB", (24 + i % 5, 20), colors[color]).convert(
                 "RGB" if i % 3 else "L"  # the script converts grey pictures to RGB
             ),
             "problem": f"Which color is picture {i}?",
-            "solution": name,
+            "solution": color,
         }
         for i in range(52)
-        for name in colors
+        for color in colors
     ]
     return datasets.Dataset.from_list(rows)
 
@@ -65,7 +70,7 @@ runpy.run_path(script, run_name="__main__")
 
 
 def trl_example(path: str) -> str:
-    """The text of `path` in the TRL source tree, or a skip when there is none."""
+    """The text of `path` in the TRL source tree at `TRL_REPO`, a checkout or a bare clone."""
     root = Path(TRL_REPO)
     if (root / path).is_file():
         return (root / path).read_text()
@@ -73,8 +78,7 @@ def trl_example(path: str) -> str:
     shown = subprocess.run(
         ["git", f"--git-dir={git_dir}", "show", f"HEAD:{path}"], capture_output=True, text=True
     )
-    if shown.returncode != 0:
-        pytest.skip(f"no TRL source tree with {path} at TRL_REPO={TRL_REPO}")
+    assert shown.returncode == 0, f"TRL_REPO={TRL_REPO} holds no {path}: {shown.stderr}"
     return shown.stdout
 
 
@@ -102,12 +106,12 @@ COMMON = [
     "--save_strategy", "no",
 ]  # fmt: skip
 ARGUMENTS = {
-    "grpo_vlm.py": [  # the SmolVLM2 command's batch settings
+    "grpo": [  # TRL's SmolVLM2 command's batch settings
         "--per_device_train_batch_size", "1",
         "--gradient_accumulation_steps", "2",
         "--num_generations", "2",
     ],
-    "gspo_vlm.py": [  # its GSPO settings, the batch shrunk to 2 completions
+    "gspo": [  # TRL's GSPO command's settings, the batch shrunk to 2 completions
         "--per_device_train_batch_size", "2",
         "--num_generations", "2",
         "--importance_sampling_level", "sequence",
@@ -120,21 +124,70 @@ ARGUMENTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_trls_vlm_example_trains_and_saves_an_adapter(tmp_path, tiny_vlm_folder, name):
-    script = tmp_path / name
-    script.write_text(with_our_trainer(trl_example(f"examples/scripts/{name}")))
+WITHOUT_TRL_REPO = pytest.mark.skipif(not TRL_REPO, reason="TRL_REPO is not set: no TRL tree")
+SCRIPTS = [  # (script, the command whose settings it runs with)
+    pytest.param("ours", "grpo", id="ours-grpo"),
+    pytest.param("ours", "gspo", id="ours-gspo"),
+    pytest.param("examples/scripts/grpo_vlm.py", "grpo", id="trl-grpo", marks=WITHOUT_TRL_REPO),
+    pytest.param("examples/scripts/gspo_vlm.py", "gspo", id="trl-gspo", marks=WITHOUT_TRL_REPO),
+]
+
+
+@pytest.mark.parametrize("script_name, setting", SCRIPTS)
+def test_vlm_script_trains_and_saves_an_adapter(tmp_path, tiny_vlm_folder, script_name, setting):
+    source = OUR_SCRIPT.read_text() if script_name == "ours" else trl_example(script_name)
+    script = tmp_path / Path(script_name).name
+    script.write_text(with_our_trainer(source))
     output = tmp_path / "out"
     command = [sys.executable, "-c", RUNNER, str(script), "--model_name_or_path", tiny_vlm_folder]
-    command += ["--output_dir", str(output), *COMMON, *ARGUMENTS[name]]
+    command += ["--output_dir", str(output), *COMMON, *ARGUMENTS[setting]]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])
     run = subprocess.run(
         command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert "GroupRelativeTrainer" in script.read_text()
-    # It trained one step on our trainer and saved the LoRA adapter the script asks for.
+    # It trained one step on our trainer (a metric TRL's trainer does not log) and saved the
+    # LoRA adapter the script asks for.
+    assert "'reward_std_in_groups'" in run.stdout, run.stdout[-3000:]
     assert (output / "adapter_config.json").is_file()
     assert (output / "adapter_model.safetensors").is_file()
-    assert "'train_runtime'" in run.stdout or "train_runtime" in run.stdout
+    assert "train_runtime" in run.stdout
+    # The trainer called the script's two reward functions (a format and an accuracy reward).
+    assert len(set(re.findall(r"'rewards/(\w+)/mean'", run.stdout))) == 2, run.stdout[-3000:]
+
+
+def our_script() -> dict:
+    """The definitions of our script (its `__main__` block does not run)."""
+    return runpy.run_path(str(OUR_SCRIPT))
+
+
+def test_our_scripts_rewards_score_format_and_final_answer():
+    script = our_script()
+
+    def conversational(*texts):
+        return [[{"role": "assistant", "content": text}] for text in texts]
+
+    completions = conversational(
+        "<think>blue and red</think> Red.",  # the answer after the reasoning
+        "<think>2 + 2</think>\n$\\boxed{4.0}$",  # a boxed number: the same as "4"
+        "<think>it is red</think> blue",  # "red" inside the reasoning does not count
+        "Red",  # right answer, no reasoning: accurate, not formatted
+        "<think>red</think>",  # no answer
+        "<think>unclosed red",
+    )
+    solution = ["red", "<answer> 4 </answer>", "red", "red", "red", "red"]
+    assert script["format_reward"](completions, solution=solution) == [1, 1, 1, 0, 0, 0]
+    assert script["accuracy_reward"](completions, solution=solution) == [1, 1, 0, 1, 0, 0]
+    # Plain-text completions too (a dataset of text prompts).
+    assert script["accuracy_reward"](["<think>.</think> 0.50"], solution=["0.5"]) == [1.0]
+
+
+def test_our_script_puts_the_picture_in_the_user_message():
+    row = {"image": Image.new("L", (1024, 256)), "problem": "What is drawn?", "solution": "x"}
+    converted = our_script()["with_prompt"](row)
+    image = converted["image"]
+    assert image.mode == "RGB" and image.size == (512, 128)  # RGB, longer side scaled to 512
+    system, user = converted["prompt"]
+    assert system["role"] == "system" and user["role"] == "user"
+    assert user["content"] == [{"type": "image"}, {"type": "text", "text": "What is drawn?"}]

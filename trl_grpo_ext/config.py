@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -635,255 +636,351 @@ class GroupRelativeConfig(TrainingArguments):
             setattr(self, name, kwargs)
 
     def _validate(self):
-        def fail(message):
-            raise ValueError(message)
-
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, instead in NOT_IMPLEMENTED.items():
-            value = getattr(self, name)
-            if value != defaults[name]:
-                fail(
-                    f"{name}={value!r} is a trl.GRPOConfig setting that trl_grpo_ext does not "
-                    f"implement yet; {instead}."
-                )
-        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
-            if not isinstance(getattr(self, name), (dict, type(None))):
-                fail(
-                    f"{name}={getattr(self, name)!r} must be a mapping (a JSON object on the "
-                    'command line, e.g. \'{"dtype": "float32"}\').'
-                )
-        if self.sample_with_merged_adapters not in ("exact", "always", "never"):
-            fail(
-                f"sample_with_merged_adapters={self.sample_with_merged_adapters!r} must be "
-                "'exact', 'always' or 'never'."
-            )
-        if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 1:
-            fail(f"logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 (or None).")
-        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
-            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        self._map_deprecated_off_policy_fields(fail)
-        self._validate_importance_sampling(fail)
-        if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
-            fail(f"vllm_mode={self.vllm_mode!r} is unknown; use 'colocate' or 'server'.")
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            fail(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            fail(
-                f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 "
-                "(or None for no limit)."
-            )
-        if self.tool_call_timeout is not None and not self.tool_call_timeout > 0:
-            fail(f"tool_call_timeout={self.tool_call_timeout} must be > 0 seconds (or None).")
-        if self.tool_call_workers < 1:
-            fail(f"tool_call_workers={self.tool_call_workers} must be >= 1.")
-        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            fail(
-                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "
-                f"one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}."
-            )
-        if not 0 < self.top_entropy_quantile <= 1:
-            fail(
-                f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0 trains "
-                "on every token)."
-            )
-        if self.pad_to_multiple_of is not None and (
-            not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1
-        ):
-            fail(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int or None.")
-        if self.sync_ref_model:
-            if self.beta == 0:
-                fail(
-                    "sync_ref_model=True with beta=0.0: the reference model is not used, so there "
-                    "is nothing to synchronise; set beta > 0 or sync_ref_model=False."
-                )
-            if not 0 <= self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
-                fail(
-                    f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1] and "
-                    f"ref_model_sync_steps={self.ref_model_sync_steps} >= 1."
-                )
-        if self.num_generations < 2:
-            fail(
-                f"num_generations={self.num_generations}: the group-relative advantage needs at "
-                "least 2 completions per prompt; set num_generations >= 2."
-            )
-        if self.loss_type not in LOSS_TYPES:
-            fail(f"loss_type={self.loss_type!r} is unknown; use one of {list(LOSS_TYPES)}.")
-        if self.scale_rewards not in SCALE_MODES:
-            fail(
-                f"scale_rewards={self.scale_rewards!r} is unknown; use one of {list(SCALE_MODES)}."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            fail(
-                f"importance_sampling_level={self.importance_sampling_level!r} is unknown; use one "
-                f"of {list(IMPORTANCE_SAMPLING_LEVELS)}."
-            )
-        if self.epsilon <= 0 or self.epsilon_high <= 0:
-            fail(
-                f"epsilon={self.epsilon} and epsilon_high={self.epsilon_high} must both be positive."
-            )
-        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
-            fail(
-                f"delta={self.delta} must be greater than 1 + epsilon_high = "
-                f"{1 + self.epsilon_high} (it caps the ratio above the clipping range)."
-            )
-        if self.beta < 0:
-            fail(f"beta={self.beta} must be >= 0 (0 disables the KL penalty).")
-        if self.num_iterations < 1:
-            fail(f"num_iterations={self.num_iterations} must be >= 1.")
-        if self.max_completion_length < 1:
-            fail(f"max_completion_length={self.max_completion_length} must be >= 1.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            fail(
-                f"max_prompt_length={self.max_prompt_length} must be >= 1, or None to keep whole "
-                "prompts."
-            )
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                fail(f"{name}={getattr(self, name)} must be >= 1.")
-        if self.temperature <= 0:
-            fail(f"temperature={self.temperature} must be > 0 (it divides the logits).")
-
-        processes = max(self.world_size, 1)
-        micro_batch = self.per_device_train_batch_size
-        accumulation = self.gradient_accumulation_steps
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            fail("Set either steps_per_generation or generation_batch_size, not both.")
-        for name in ("steps_per_generation", "generation_batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                fail(f"{name}={value} must be >= 1 (or None: one generation batch per step).")
-        if self.generation_batch_size is not None:
-            if self.generation_batch_size % (micro_batch * processes):
-                fail(
-                    f"generation_batch_size={self.generation_batch_size} must be divisible by "
-                    f"per_device_train_batch_size * processes = {micro_batch * processes}."
-                )
-            self.steps_per_generation = self.generation_batch_size // (micro_batch * processes)
-        if self.steps_per_generation is None:
-            self.steps_per_generation = accumulation
-        self.generation_batch_size = micro_batch * processes * self.steps_per_generation
-        if self.steps_per_generation % accumulation:
-            fail(
-                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
-                f"gradient_accumulation_steps={accumulation}, so that an optimizer step never "
-                "waits for a generation batch that has not been sampled yet."
-            )
-        local_generation_batch = micro_batch * self.steps_per_generation
-        if local_generation_batch % self.num_generations:
-            fail(
-                f"Each process generates {local_generation_batch} completions per generation batch "
-                f"(per_device_train_batch_size={micro_batch} x steps_per_generation="
-                f"{self.steps_per_generation}), which is not divisible by num_generations="
-                f"{self.num_generations}; change one of them so whole groups fit."
-            )
-        if self.max_resample_rounds < 0:
-            fail(f"max_resample_rounds={self.max_resample_rounds} must be >= 0.")
-        if self.max_staleness is not None:
-            if self.max_staleness < 0:
-                fail(f"max_staleness={self.max_staleness} must be >= 0 (or None for synchronous).")
-            changes = []
-            if self.num_iterations != 1:
-                changes.append(f"set num_iterations=1 (got {self.num_iterations})")
-            if self.steps_per_generation != accumulation:
-                changes.append(
-                    f"leave steps_per_generation at gradient_accumulation_steps ({accumulation}; "
-                    f"got {self.steps_per_generation})"
-                )
-            if changes:
-                fail(
-                    "Asynchronous rollouts (max_staleness) need one generation batch per optimizer "
-                    f"step: {' and '.join(changes)}."
-                )
-        if self.reward_weights is not None and not all(
-            isinstance(weight, (int, float)) for weight in self.reward_weights
-        ):
-            fail(f"reward_weights={self.reward_weights} must be a list of numbers.")
-
-    def _map_deprecated_off_policy_fields(self, fail):
-        """`off_policy_correction`, `off_policy_clip` and `off_policy_min` corrected the
-        asynchronous worker's rollouts by a second implementation of TRL's modes; they now set
-        the `vllm_importance_sampling_*` fields they are equivalent to, with a warning, and are
-        an error next to a `vllm_importance_sampling_*` value that says otherwise."""
-        old = {
-            name: getattr(self, name)
-            for name in ("off_policy_correction", "off_policy_clip", "off_policy_min")
-            if getattr(self, name) is not None
-        }
-        if not old:
-            return
-        equivalent = equivalent_settings(
-            self.off_policy_correction or "tis",  # the old default
-            self.off_policy_clip,
-            self.off_policy_min,
-        )
-        clip = equivalent.get("vllm_importance_sampling_clip_max", 1.0)
-        low = equivalent.get("vllm_importance_sampling_clip_min")
-        if clip < 1 or (low is not None and not 0 < low <= 1):
-            fail(
-                f"off_policy_clip={clip} must be >= 1 and off_policy_min={low} in (0, 1] "
-                "(both deprecated: set vllm_importance_sampling_clip_max and _clip_min)."
-            )
-        given = ", ".join(f"{name}={value!r}" for name, value in old.items())
-        settings = ", ".join(f"{name}={value!r}" for name, value in equivalent.items())
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, value in equivalent.items():
-            current = getattr(self, name)
-            if current != defaults[name] and current != value:
-                fail(
-                    f"{given} (deprecated) means {settings}, which contradicts {name}="
-                    f"{current!r}. Remove the off_policy_* fields and keep the "
-                    "vllm_importance_sampling_* ones."
-                )
-        warnings.warn(
-            f"{given} is deprecated and will be removed: the correction of every rollout with "
-            f"behaviour log-probs is set by TRL's vllm_importance_sampling_* fields. Using the "
-            f"equivalent {settings}; set those instead.",
-            FutureWarning,
-            stacklevel=5,
-        )
-        for name, value in equivalent.items():
-            setattr(self, name, value)
-
-    def _validate_importance_sampling(self, fail):
-        if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
-            fail(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; "
-                f"use one of {list(IMPORTANCE_SAMPLING_MODES)}."
-            )
-        # TRL's condition (there with use_vllm; here wherever behaviour log-probs are expected):
-        # VESPO folds the importance weights into its own sequence weight, as a sum of per-token
-        # log-weights; a weight per sequence has no tokens to sum over.
-        if (
-            self.loss_type == "vespo"
-            and (self.use_vllm or self.max_staleness is not None)
-            and self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
-        ):
-            fail(
-                "loss_type='vespo' needs per-token importance weights: set "
-                "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (got "
-                f"{self.vllm_importance_sampling_mode!r}), as TRL requires, or "
-                "vllm_importance_sampling_correction=False."
-            )
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            fail(
-                f"vllm_importance_sampling_clip_min={low} must be below "
-                f"vllm_importance_sampling_clip_max={high}."
-            )
-        if (
-            self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode.endswith("truncate")
-            and low is None
-            and high is None
-        ):
-            fail(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates "
-                "the weights into [clip_min, clip_max]: set vllm_importance_sampling_clip_max "
-                "(or _clip_min)."
-            )
+        """Checks the settings against `RULES`, in order; the first broken rule raises."""
+        for rule in RULES:
+            rule(self)
 
     @property
     def prompts_per_generation(self) -> int:
         """Distinct prompts one process samples per generation batch."""
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: `GroupRelativeConfig._validate` walks `RULES` in order and the first broken rule is
+# a `ValueError` with its message, which says what to change. A `Rule` is a predicate that is
+# True when the config is wrong, and its message. A check that needs more (it derives a field,
+# maps a deprecated one, or says which of several settings to change) is a small function of
+# the config in the table at its place, which raises itself; the order matters, as later rules
+# read the fields that earlier ones derive.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A validation rule of `GroupRelativeConfig`: `broken(config)` is True when the config
+    breaks it, and `message(config)` then says what to change."""
+
+    broken: Callable[[GroupRelativeConfig], bool]
+    message: Callable[[GroupRelativeConfig], str]
+
+    def __call__(self, config: GroupRelativeConfig) -> None:
+        if self.broken(config):
+            raise ValueError(self.message(config))
+
+
+def _at_least(name: str, minimum: int, note: str = "", optional: bool = False) -> Rule:
+    """`name` >= `minimum` (or None, when `optional`); the message ends with `note`."""
+    return Rule(
+        lambda c: not (optional and getattr(c, name) is None) and getattr(c, name) < minimum,
+        lambda c: f"{name}={getattr(c, name)} must be >= {minimum}{note}.",
+    )
+
+
+def _one_of(name: str, choices) -> Rule:
+    return Rule(
+        lambda c: getattr(c, name) not in choices,
+        lambda c: f"{name}={getattr(c, name)!r} is unknown; use one of {list(choices)}.",
+    )
+
+
+def _mapping(name: str) -> Rule:
+    return Rule(
+        lambda c: not isinstance(getattr(c, name), (dict, type(None))),
+        lambda c: (
+            f"{name}={getattr(c, name)!r} must be a mapping (a JSON object on the "
+            'command line, e.g. \'{"dtype": "float32"}\').'
+        ),
+    )
+
+
+def _defaults(config: GroupRelativeConfig) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(config)}
+
+
+def _implemented(config: GroupRelativeConfig) -> None:
+    """TRL's settings that are accepted but not implemented keep their defaults."""
+    defaults = _defaults(config)
+    for name, instead in NOT_IMPLEMENTED.items():
+        value = getattr(config, name)
+        if value != defaults[name]:
+            raise ValueError(
+                f"{name}={value!r} is a trl.GRPOConfig setting that trl_grpo_ext does not "
+                f"implement yet; {instead}."
+            )
+
+
+def _map_deprecated_clip_name(config: GroupRelativeConfig) -> None:
+    if config.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+        config.vllm_importance_sampling_clip_max = config.vllm_importance_sampling_cap
+
+
+def _map_deprecated_off_policy_fields(config: GroupRelativeConfig) -> None:
+    """`off_policy_correction`, `off_policy_clip` and `off_policy_min` corrected the
+    asynchronous worker's rollouts by a second implementation of TRL's modes; they now set
+    the `vllm_importance_sampling_*` fields they are equivalent to, with a warning, and are
+    an error next to a `vllm_importance_sampling_*` value that says otherwise."""
+    old = {
+        name: getattr(config, name)
+        for name in ("off_policy_correction", "off_policy_clip", "off_policy_min")
+        if getattr(config, name) is not None
+    }
+    if not old:
+        return
+    equivalent = equivalent_settings(
+        config.off_policy_correction or "tis",  # the old default
+        config.off_policy_clip,
+        config.off_policy_min,
+    )
+    clip = equivalent.get("vllm_importance_sampling_clip_max", 1.0)
+    low = equivalent.get("vllm_importance_sampling_clip_min")
+    if clip < 1 or (low is not None and not 0 < low <= 1):
+        raise ValueError(
+            f"off_policy_clip={clip} must be >= 1 and off_policy_min={low} in (0, 1] "
+            "(both deprecated: set vllm_importance_sampling_clip_max and _clip_min)."
+        )
+    given = ", ".join(f"{name}={value!r}" for name, value in old.items())
+    settings = ", ".join(f"{name}={value!r}" for name, value in equivalent.items())
+    defaults = _defaults(config)
+    for name, value in equivalent.items():
+        current = getattr(config, name)
+        if current != defaults[name] and current != value:
+            raise ValueError(
+                f"{given} (deprecated) means {settings}, which contradicts {name}="
+                f"{current!r}. Remove the off_policy_* fields and keep the "
+                "vllm_importance_sampling_* ones."
+            )
+    warnings.warn(  # stacklevel: this, _validate, __post_init__, __init__, the caller
+        f"{given} is deprecated and will be removed: the correction of every rollout with "
+        f"behaviour log-probs is set by TRL's vllm_importance_sampling_* fields. Using the "
+        f"equivalent {settings}; set those instead.",
+        FutureWarning,
+        stacklevel=5,
+    )
+    for name, value in equivalent.items():
+        setattr(config, name, value)
+
+
+def _vespo_needs_token_weights(c: GroupRelativeConfig) -> bool:
+    # TRL's condition (there with use_vllm; here wherever behaviour log-probs are expected):
+    # VESPO folds the importance weights into its own sequence weight, as a sum of per-token
+    # log-weights; a weight per sequence has no tokens to sum over.
+    return (
+        c.loss_type == "vespo"
+        and (c.use_vllm or c.max_staleness is not None)
+        and c.vllm_importance_sampling_correction
+        and c.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    )
+
+
+def _generation_batch(config: GroupRelativeConfig) -> None:
+    """Derives `steps_per_generation` and `generation_batch_size` from each other (TRL's rule:
+    the batch of all processes' micro-batches of `steps_per_generation` steps)."""
+    processes = max(config.world_size, 1)
+    micro_batch = config.per_device_train_batch_size
+    if config.generation_batch_size is not None:
+        if config.generation_batch_size % (micro_batch * processes):
+            raise ValueError(
+                f"generation_batch_size={config.generation_batch_size} must be divisible by "
+                f"per_device_train_batch_size * processes = {micro_batch * processes}."
+            )
+        config.steps_per_generation = config.generation_batch_size // (micro_batch * processes)
+    if config.steps_per_generation is None:
+        config.steps_per_generation = config.gradient_accumulation_steps
+    config.generation_batch_size = micro_batch * processes * config.steps_per_generation
+
+
+def _local_generation_batch(c: GroupRelativeConfig) -> int:
+    return c.per_device_train_batch_size * c.steps_per_generation
+
+
+def _asynchronous_batches(config: GroupRelativeConfig) -> None:
+    """Asynchronous rollouts (`max_staleness`) take one generation batch per optimizer step."""
+    if config.max_staleness is None:
+        return
+    accumulation = config.gradient_accumulation_steps
+    changes = []
+    if config.num_iterations != 1:
+        changes.append(f"set num_iterations=1 (got {config.num_iterations})")
+    if config.steps_per_generation != accumulation:
+        changes.append(
+            f"leave steps_per_generation at gradient_accumulation_steps ({accumulation}; "
+            f"got {config.steps_per_generation})"
+        )
+    if changes:
+        raise ValueError(
+            "Asynchronous rollouts (max_staleness) need one generation batch per optimizer "
+            f"step: {' and '.join(changes)}."
+        )
+
+
+RULES: tuple[Callable[[GroupRelativeConfig], None], ...] = (
+    _implemented,
+    *(
+        _mapping(name)
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs")
+    ),
+    Rule(
+        lambda c: c.sample_with_merged_adapters not in ("exact", "always", "never"),
+        lambda c: (
+            f"sample_with_merged_adapters={c.sample_with_merged_adapters!r} must be "
+            "'exact', 'always' or 'never'."
+        ),
+    ),
+    _at_least("logprob_chunk_tokens", 1, " (or None)", optional=True),
+    _map_deprecated_clip_name,
+    _map_deprecated_off_policy_fields,
+    # Importance sampling (TRL's vllm_importance_sampling_* fields)
+    _one_of("vllm_importance_sampling_mode", IMPORTANCE_SAMPLING_MODES),
+    Rule(
+        _vespo_needs_token_weights,
+        lambda c: (
+            "loss_type='vespo' needs per-token importance weights: set "
+            "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (got "
+            f"{c.vllm_importance_sampling_mode!r}), as TRL requires, or "
+            "vllm_importance_sampling_correction=False."
+        ),
+    ),
+    Rule(
+        lambda c: (
+            c.vllm_importance_sampling_clip_min is not None
+            and c.vllm_importance_sampling_clip_max is not None
+            and c.vllm_importance_sampling_clip_min >= c.vllm_importance_sampling_clip_max
+        ),
+        lambda c: (
+            f"vllm_importance_sampling_clip_min={c.vllm_importance_sampling_clip_min} must "
+            f"be below vllm_importance_sampling_clip_max={c.vllm_importance_sampling_clip_max}."
+        ),
+    ),
+    Rule(
+        lambda c: (
+            c.vllm_importance_sampling_correction
+            and c.vllm_importance_sampling_mode.endswith("truncate")
+            and c.vllm_importance_sampling_clip_min is None
+            and c.vllm_importance_sampling_clip_max is None
+        ),
+        lambda c: (
+            f"vllm_importance_sampling_mode={c.vllm_importance_sampling_mode!r} truncates "
+            "the weights into [clip_min, clip_max]: set vllm_importance_sampling_clip_max "
+            "(or _clip_min)."
+        ),
+    ),
+    # Generation and tools
+    Rule(
+        lambda c: c.use_vllm and c.vllm_mode not in ("colocate", "server"),
+        lambda c: f"vllm_mode={c.vllm_mode!r} is unknown; use 'colocate' or 'server'.",
+    ),
+    _at_least("num_generations_eval", 1, " (or None)", optional=True),
+    _at_least("max_tool_calling_iterations", 0, " (or None for no limit)", optional=True),
+    Rule(
+        lambda c: c.tool_call_timeout is not None and not c.tool_call_timeout > 0,
+        lambda c: f"tool_call_timeout={c.tool_call_timeout} must be > 0 seconds (or None).",
+    ),
+    _at_least("tool_call_workers", 1),
+    # The objective
+    _one_of("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
+    Rule(
+        lambda c: not 0 < c.top_entropy_quantile <= 1,
+        lambda c: (
+            f"top_entropy_quantile={c.top_entropy_quantile} must be in (0, 1] (1.0 trains "
+            "on every token)."
+        ),
+    ),
+    Rule(
+        lambda c: (
+            c.pad_to_multiple_of is not None
+            and (not isinstance(c.pad_to_multiple_of, int) or c.pad_to_multiple_of < 1)
+        ),
+        lambda c: f"pad_to_multiple_of={c.pad_to_multiple_of!r} must be a positive int or None.",
+    ),
+    Rule(
+        lambda c: c.sync_ref_model and c.beta == 0,
+        lambda c: (
+            "sync_ref_model=True with beta=0.0: the reference model is not used, so there "
+            "is nothing to synchronise; set beta > 0 or sync_ref_model=False."
+        ),
+    ),
+    Rule(
+        lambda c: (
+            c.sync_ref_model
+            and (not 0 <= c.ref_model_mixup_alpha <= 1 or c.ref_model_sync_steps < 1)
+        ),
+        lambda c: (
+            f"ref_model_mixup_alpha={c.ref_model_mixup_alpha} must be in [0, 1] and "
+            f"ref_model_sync_steps={c.ref_model_sync_steps} >= 1."
+        ),
+    ),
+    Rule(
+        lambda c: c.num_generations < 2,
+        lambda c: (
+            f"num_generations={c.num_generations}: the group-relative advantage needs at "
+            "least 2 completions per prompt; set num_generations >= 2."
+        ),
+    ),
+    _one_of("loss_type", LOSS_TYPES),
+    _one_of("scale_rewards", SCALE_MODES),
+    _one_of("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+    Rule(
+        lambda c: c.epsilon <= 0 or c.epsilon_high <= 0,
+        lambda c: f"epsilon={c.epsilon} and epsilon_high={c.epsilon_high} must both be positive.",
+    ),
+    Rule(
+        lambda c: c.delta is not None and c.delta <= 1 + c.epsilon_high,
+        lambda c: (
+            f"delta={c.delta} must be greater than 1 + epsilon_high = "
+            f"{1 + c.epsilon_high} (it caps the ratio above the clipping range)."
+        ),
+    ),
+    _at_least("beta", 0, " (0 disables the KL penalty)"),
+    _at_least("num_iterations", 1),
+    _at_least("max_completion_length", 1),
+    Rule(
+        lambda c: c.max_prompt_length is not None and c.max_prompt_length < 1,
+        lambda c: (
+            f"max_prompt_length={c.max_prompt_length} must be >= 1, or None to keep whole prompts."
+        ),
+    ),
+    _at_least("per_device_train_batch_size", 1),
+    _at_least("gradient_accumulation_steps", 1),
+    Rule(
+        lambda c: c.temperature <= 0,
+        lambda c: f"temperature={c.temperature} must be > 0 (it divides the logits).",
+    ),
+    # Batches: a generation batch is whole optimizer steps of whole groups
+    Rule(
+        lambda c: c.steps_per_generation is not None and c.generation_batch_size is not None,
+        lambda c: "Set either steps_per_generation or generation_batch_size, not both.",
+    ),
+    *(
+        _at_least(name, 1, " (or None: one generation batch per step)", optional=True)
+        for name in ("steps_per_generation", "generation_batch_size")
+    ),
+    _generation_batch,
+    Rule(
+        lambda c: c.steps_per_generation % c.gradient_accumulation_steps,
+        lambda c: (
+            f"steps_per_generation={c.steps_per_generation} must be a multiple of "
+            f"gradient_accumulation_steps={c.gradient_accumulation_steps}, so that an optimizer "
+            "step never waits for a generation batch that has not been sampled yet."
+        ),
+    ),
+    Rule(
+        lambda c: _local_generation_batch(c) % c.num_generations,
+        lambda c: (
+            f"Each process generates {_local_generation_batch(c)} completions per "
+            f"generation batch (per_device_train_batch_size={c.per_device_train_batch_size} x "
+            f"steps_per_generation={c.steps_per_generation}), which is not divisible by "
+            f"num_generations={c.num_generations}; change one of them so whole groups fit."
+        ),
+    ),
+    _at_least("max_resample_rounds", 0),
+    _at_least("max_staleness", 0, " (or None for synchronous)", optional=True),
+    _asynchronous_batches,
+    Rule(
+        lambda c: (
+            c.reward_weights is not None
+            and not all(isinstance(weight, (int, float)) for weight in c.reward_weights)
+        ),
+        lambda c: f"reward_weights={c.reward_weights} must be a list of numbers.",
+    ),
+)

@@ -661,11 +661,34 @@ def completion_logprobs(
     head = output_head(model)
     if head is None and cast_lm_head_to_fp32:
         raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
+    outputs = _completion_outputs(
+        model, head, input_ids, attention_mask, completion_length, model_inputs
+    )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+    computed = torch.arange(completion_length, device=lengths.device) < lengths.unsqueeze(1)
+    values = _outputs_logprobs(
+        model,
+        head,
+        outputs,
+        completion_ids,
+        computed,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        chunk_tokens=logprob_chunk_tokens,
+        upcast=cast_lm_head_to_fp32,
+    )  # (B, T') each
+    values = tuple(F.pad(v, (0, full_length - completion_length)) for v in values)  # (B, T)
+    return values if return_entropy else values[0]
+
+
+def _completion_outputs(model, head, input_ids, attention_mask, completion_length, model_inputs):
+    """The forward pass of `completion_logprobs`: at each of the last `completion_length`
+    positions, the head's input `(B, T, H)` with a usable `head`, else the logits `(B, T, V)`;
+    rows sharing their prompt are packed (`_shared_prompt_logits`) where that pays."""
     outputs = None
     if not model_inputs:
         outputs = _shared_prompt_logits(
             model, input_ids, attention_mask, completion_length, head=head
-        )  # (B, T, H) hidden states with a usable head, else (B, T, V) logits
+        )
     if outputs is None:
         outputs = _head_outputs(
             model,
@@ -676,32 +699,46 @@ def completion_logprobs(
             use_cache=False,
             **(model_inputs or {}),
         )[:, :-1]  # position t predicts completion token t
-    computed = torch.arange(completion_length, device=lengths.device) < lengths.unsqueeze(1)
+    return outputs
+
+
+def _outputs_logprobs(
+    model,
+    head,
+    outputs,
+    completion_ids,
+    computed,
+    *,
+    temperature,
+    return_entropy,
+    chunk_tokens,
+    upcast,
+):
+    """The log-probs (and entropies) `(B, T)` of the completion tokens from the outputs of
+    `_completion_outputs`, computed where `computed` is True and 0 elsewhere; a tuple."""
     if head is None:  # the model's logits (B, T, V)
         values = token_logprobs(
             outputs, completion_ids, temperature=temperature, return_entropy=return_entropy
         )
-        values = tuple(v * computed for v in (values if return_entropy else (values,)))
-    else:  # the head runs on the positions up to each row's end only
-        softcap, scale = logit_transform(model)
-        values = head_token_logprobs(
-            outputs[computed],
-            head.weight,
-            completion_ids[computed],
-            bias=head.bias,
-            temperature=temperature,
-            chunk_tokens=logprob_chunk_tokens,
-            return_entropy=return_entropy,
-            final_logit_softcapping=softcap,
-            logit_scale=scale,
-            upcast=cast_lm_head_to_fp32,
-        )  # (N,) each
-        values = tuple(
-            v.new_zeros(computed.shape).masked_scatter(computed, v)
-            for v in (values if return_entropy else (values,))
-        )
-    values = tuple(F.pad(v, (0, full_length - completion_length)) for v in values)  # (B, T)
-    return values if return_entropy else values[0]
+        return tuple(v * computed for v in (values if return_entropy else (values,)))
+    # the head runs on the positions up to each row's end only
+    softcap, scale = logit_transform(model)
+    values = head_token_logprobs(
+        outputs[computed],
+        head.weight,
+        completion_ids[computed],
+        bias=head.bias,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        final_logit_softcapping=softcap,
+        logit_scale=scale,
+        chunk_tokens=chunk_tokens,
+        upcast=upcast,
+    )  # (N,) each
+    return tuple(
+        v.new_zeros(computed.shape).masked_scatter(computed, v)
+        for v in (values if return_entropy else (values,))
+    )
 
 
 def attended_lengths(completion_attention: torch.Tensor) -> torch.Tensor:

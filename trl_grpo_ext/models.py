@@ -93,9 +93,6 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
     Returns:
         `(model, tokenizer, info)`; `info` has the steps run and the validation accuracy.
     """
-    from .data import synthetic_rows
-    from .evaluation import generate
-    from .rewards._convention import completion_text
     from .tiny import tiny_model_and_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer(
@@ -107,36 +104,7 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
         intermediate_size=settings.intermediate_size,
         initializer_range=settings.initializer_range,
     )
-    # Own seed streams, so the warm-up data differs from the GRPO prompts of the same seed.
-    rows = synthetic_rows(
-        settings.max_steps * settings.batch_size,
-        split="train",
-        difficulty=settings.difficulty,
-        seed=settings.seed + 1000,
-        unique=False,
-    )
-    random.Random(settings.seed).shuffle(rows)
-    validation = synthetic_rows(
-        settings.num_validation,
-        split="train",
-        difficulty=settings.difficulty,
-        seed=settings.seed + 2000,
-    )
-    from .data import make_prompt
-
-    validation_prompts = [
-        make_prompt(row["question"], settings.system_prompt) for row in validation
-    ]
-    targets = [f"\\boxed{{{row['answer']}}}" for row in validation]
-
-    def validation_accuracy():
-        completions, _, _ = generate(model, tokenizer, validation_prompts, max_new_tokens=12)
-        right = [
-            completion_text(group[0]).strip() == target
-            for group, target in zip(completions, targets)
-        ]
-        return sum(right) / len(targets)
-
+    rows, validation = _warmup_rows(settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -160,7 +128,7 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
             optimizer.zero_grad(set_to_none=True)
             steps_run = step
             if step >= settings.min_steps and step % settings.check_every == 0:
-                accuracy = validation_accuracy()
+                accuracy = _greedy_accuracy(model, tokenizer, validation, settings.system_prompt)
                 if log_every:
                     print(
                         f"warm-up step {step}: loss {loss.item():.3f}, validation accuracy "
@@ -171,6 +139,44 @@ def train_tiny_warmup(settings: TinyWarmup, log_every: int = 0):
                     break
     model.eval()
     return model, tokenizer, {"steps_run": steps_run, "validation_accuracy": accuracy}
+
+
+def _warmup_rows(settings: TinyWarmup) -> tuple[list[dict], list[dict]]:
+    """The warm-up's training rows (`max_steps` batches) and its `num_validation` other training
+    problems, from seed streams of their own, so that they differ from the GRPO prompts of the
+    same seed."""
+    from .data import synthetic_rows
+
+    rows = synthetic_rows(
+        settings.max_steps * settings.batch_size,
+        split="train",
+        difficulty=settings.difficulty,
+        seed=settings.seed + 1000,
+        unique=False,
+    )
+    random.Random(settings.seed).shuffle(rows)
+    validation = synthetic_rows(
+        settings.num_validation,
+        split="train",
+        difficulty=settings.difficulty,
+        seed=settings.seed + 2000,
+    )
+    return rows, validation
+
+
+def _greedy_accuracy(model, tokenizer, rows: list[dict], system_prompt) -> float:
+    """The fraction of `rows` whose greedy completion is exactly `\\boxed{answer}`."""
+    from .data import make_prompt
+    from .evaluation import generate
+    from .rewards._convention import completion_text
+
+    prompts = [make_prompt(row["question"], system_prompt) for row in rows]
+    targets = [f"\\boxed{{{row['answer']}}}" for row in rows]
+    completions, _, _ = generate(model, tokenizer, prompts, max_new_tokens=12)
+    right = [
+        completion_text(group[0]).strip() == target for group, target in zip(completions, targets)
+    ]
+    return sum(right) / len(targets)
 
 
 def warm_tiny_model(

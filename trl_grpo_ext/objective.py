@@ -804,15 +804,58 @@ def policy_loss(
         with a positive advantage) for "cispo"; `"vespo/phi_seq_mean"` for "vespo"; and `"kl"`
         (after the bias correction) when `beta > 0`.
     """
-    beta = settings.beta
-    if beta > 0 and ref_logps is None:
+    advantages = _checked_advantages(
+        logps,
+        old_logps,
+        advantages,
+        completion_mask,
+        ref_logps=ref_logps if settings.beta > 0 else None,
+        entropy_mask=entropy_mask,
+        sampling_logps=sampling_logps,
+        needs_ref_logps=settings.beta > 0,
+    )  # (B, 1) or (B, T)
+    if old_logps is None:
+        old_logps = logps.detach()
+    inputs = _surrogate_inputs(
+        logps, old_logps, advantages, completion_mask, importance_weights, settings
+    )
+    per_token_loss, surrogate_stats, per_token_kl = _per_token_loss(
+        inputs,
+        settings,
+        logps=logps,
+        sampling_logps=old_logps if sampling_logps is None else sampling_logps,
+        completion_mask=completion_mask,
+        entropy_mask=entropy_mask,
+        ref_logps=ref_logps,
+    )
+    loss = _aggregate(settings, per_token_loss, inputs.mask, num_items_in_batch)
+    return loss, _statistics(surrogate_stats, inputs.ratio, per_token_kl, inputs.mask)
+
+
+# The steps of `policy_loss`, in order.
+
+
+def _checked_advantages(
+    logps,
+    old_logps,
+    advantages,
+    completion_mask,
+    *,
+    ref_logps,
+    entropy_mask,
+    sampling_logps,
+    needs_ref_logps,
+):
+    """The advantages as `(B, 1)` (or `(B, T)`), after checking every input's shape against
+    that of `logps`, `(B, T)`."""
+    if needs_ref_logps and ref_logps is None:
         raise ValueError("ref_logps is required when beta > 0 (the KL penalty needs it)")
     if logps.dim() != 2:
         raise ValueError(f"logps must have shape (B, T), got {tuple(logps.shape)}")
     for name, tensor in (
         ("old_logps", old_logps),
         ("completion_mask", completion_mask),
-        ("ref_logps", ref_logps if beta > 0 else None),
+        ("ref_logps", ref_logps),
         ("entropy_mask", entropy_mask),
         ("sampling_logps", sampling_logps),
     ):
@@ -820,76 +863,94 @@ def policy_loss(
             raise ValueError(
                 f"{name} must have the shape of logps {tuple(logps.shape)}, got {tuple(tensor.shape)}"
             )
-    batch_size, seq_len = logps.shape
+    batch_size = logps.shape[0]
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1)
     if advantages.shape[0] != batch_size:
         raise ValueError(
             f"advantages must have shape ({batch_size},), got {tuple(advantages.shape)}"
         )
+    return advantages
 
+
+def _surrogate_inputs(logps, old_logps, advantages, completion_mask, importance_weights, settings):
+    """Step 5: the log-probs and token log-ratios, 0 at padding, `(B, T)`, and the importance
+    ratio at `settings.importance_sampling_level`, `(B, T)` or `(B, 1)`, with the other inputs
+    of a surrogate in the dtype of `logps`."""
     is_token = completion_mask.bool()  # (B, T)
     mask = is_token.to(logps.dtype)  # (B, T)
-    advantages = advantages.to(logps.dtype)
-    if old_logps is None:
-        old_logps = logps.detach()
-
     # Mask *before* exp, so that garbage at padding cannot become inf * 0 = NaN in the gradient.
     token_logps = torch.where(is_token, logps, 0.0)  # (B, T)
     log_ratio = torch.where(is_token, logps - old_logps, 0.0)  # (B, T)
     log_weight = _LOG_RATIOS[settings.importance_sampling_level](log_ratio, token_logps, mask)
-    ratio = torch.exp(log_weight)  # (B, T) or (B, 1)
-
     if importance_weights is not None:
         importance_weights = importance_weights.detach().to(logps.dtype)
         if importance_weights.shape[-1] > 1:  # per token: 0 at padding, whatever was there
             importance_weights = torch.where(is_token, importance_weights, 0.0)
-    surrogate_name, aggregation_name = LOSS_TYPE_TABLE[settings.loss_type]
-    per_token_loss, surrogate_stats = _SURROGATES[surrogate_name](
-        SurrogateInputs(
-            ratio=ratio,
-            logps=token_logps,
-            log_ratio=log_ratio,
-            advantages=advantages,
-            mask=mask,
-            importance_weights=importance_weights,
-        ),
-        settings,
+    return SurrogateInputs(
+        ratio=torch.exp(log_weight),  # (B, T) or (B, 1)
+        logps=token_logps,
+        log_ratio=log_ratio,
+        advantages=advantages.to(logps.dtype),
+        mask=mask,
+        importance_weights=importance_weights,
     )
+
+
+def _per_token_loss(
+    inputs, settings, *, logps, sampling_logps, completion_mask, entropy_mask, ref_logps
+):
+    """Step 6: the surrogate of `settings.loss_type` times the off-policy and entropy masks,
+    plus the KL term; `(B, T)`, 0 at padding. Also returns the surrogate's statistics and the
+    per-token KL (None when `beta` is 0)."""
+    surrogate_name = LOSS_TYPE_TABLE[settings.loss_type].surrogate
+    per_token_loss, surrogate_stats = _SURROGATES[surrogate_name](inputs, settings)
     if settings.off_policy_mask_threshold is not None:
-        reference = old_logps if sampling_logps is None else sampling_logps
         keep = off_policy_mask(
-            advantages, logps, reference, completion_mask, settings.off_policy_mask_threshold
+            inputs.advantages,
+            logps,
+            sampling_logps,
+            completion_mask,
+            settings.off_policy_mask_threshold,
         )
         per_token_loss = per_token_loss * keep  # (B, T) or (B, 1)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask.to(logps.dtype)  # (B, T)
-    if beta > 0:
-        per_token_kl = kl_k3(token_logps, torch.where(is_token, ref_logps, 0.0))  # (B, T)
+    is_token = completion_mask.bool()  # (B, T)
+    per_token_kl = None
+    if settings.beta > 0:
+        per_token_kl = kl_k3(inputs.logps, torch.where(is_token, ref_logps, 0.0))  # (B, T)
         if settings.use_bias_correction_kl:
-            per_token_kl = per_token_kl * ratio  # (B, T)
-        per_token_loss = per_token_loss + beta * per_token_kl
+            per_token_kl = per_token_kl * inputs.ratio  # (B, T)
+        per_token_loss = per_token_loss + settings.beta * per_token_kl
     per_token_loss = torch.where(is_token, per_token_loss, 0.0)  # (B, T)
+    return per_token_loss, surrogate_stats, per_token_kl
 
+
+def _aggregate(settings, per_token_loss, mask, num_items_in_batch):
+    """Step 7: the scalar loss, aggregated over tokens as `settings.loss_type` says."""
     if num_items_in_batch is None:
         num_items_in_batch = mask.sum()
-    num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=logps.dtype, device=logps.device)
+    dtype, device = mask.dtype, mask.device  # those of logps
+    num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
     max_completion_length = settings.max_completion_length
     if max_completion_length is None:
-        max_completion_length = seq_len
-    max_completion_length = torch.as_tensor(
-        max_completion_length, dtype=logps.dtype, device=logps.device
-    )
-    loss = _AGGREGATIONS[aggregation_name](
+        max_completion_length = mask.shape[1]
+    max_completion_length = torch.as_tensor(max_completion_length, dtype=dtype, device=device)
+    aggregation_name = LOSS_TYPE_TABLE[settings.loss_type].aggregation
+    return _AGGREGATIONS[aggregation_name](
         per_token_loss, mask, num_items_in_batch, max_completion_length
     )
 
+
+def _statistics(surrogate_stats, ratio, per_token_kl, mask):
+    """The detached scalar statistics of `policy_loss` (see its Returns)."""
     with torch.no_grad():
         stats = {
             name: _statistic(name, value.to(mask.dtype), mask)
             for name, value in surrogate_stats.items()
         }
         stats["ratio_mean"] = _statistic_mean(ratio.detach(), mask)
-        if beta > 0:
+        if per_token_kl is not None:
             stats["kl"] = _masked_mean(per_token_kl.detach(), mask)
-    return loss, stats
+    return stats

@@ -308,55 +308,14 @@ class ToolLoop:
             prompt_ids, prompt_mask, config, seed, **_with(seen)
         )
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
-        ids, logps, ended = ends.cut(completion_ids, logps)
-        turns = Turns(
-            completion_ids=ids,
-            tool_mask=[[1] * len(row) for row in ids],
-            logps=logps,
-            completions=[
-                [self.format.parse(row, prompt, tool.functions)]
-                for row, prompt, tool in zip(ids, prompt_ids, tools)
-            ],
-            calls=[0] * len(ids),
-            failures=[0] * len(ids),
-            ended=ended,
-        )
+        turns = self._first_turns(*ends.cut(completion_ids, logps), prompt_ids, tools)
         active = [
             i for i, messages in enumerate(turns.completions) if messages[-1].get("tool_calls")
         ]
         rounds = 0
         while active and (self.max_iterations is None or rounds < self.max_iterations):
             rounds += 1
-            results = self.runner.run(
-                [
-                    [(tools[i], call) for call in turns.completions[i][-1]["tool_calls"]]
-                    for i in active
-                ]
-            )
-            continuing, contexts = [], []
-            for i, calls in zip(active, results):
-                turns.calls[i] += len(calls)
-                turns.failures[i] += sum(result.failed for result in calls)
-                messages = [result.message() for result in calls]
-                suffix, fields = self.format.result_tokens(messages)
-                length = len(turns.completion_ids[i]) + len(suffix)
-                # No room for the results and at least one token after them: the rollout ends at
-                # its call. It never ends on a result, which reward functions would read as the
-                # model's last message (TRL keeps results that fill the budget exactly and cuts
-                # the next turn to nothing), and no engine is asked for 0 new tokens.
-                if length >= self.max_completion_length:
-                    continue
-                if len(prompt_ids[i]) + length >= self.max_model_len:
-                    continue
-                if fields is not None:  # the images reach every later turn and training
-                    images.add(i, len(turns.completion_ids[i]), fields)
-                turns.completions[i].extend(messages)
-                turns.completion_ids[i] += suffix
-                turns.tool_mask[i] += [0] * len(suffix)
-                if turns.logps is not None:
-                    turns.logps[i] += [0.0] * len(suffix)
-                continuing.append(i)
-                contexts.append(prompt_ids[i] + turns.completion_ids[i])
+            continuing, contexts = self._add_tool_results(turns, active, tools, prompt_ids, images)
             if not continuing:
                 break
             room = max(
@@ -369,25 +328,81 @@ class ToolLoop:
             _, _, new_ids, new_logps = engine.generate(
                 prompt, mask, config, None if seed is None else seed + rounds, **_with(seen)
             )
-            new_ids, new_logps, new_ended = ends.cut(new_ids, new_logps)
-            active = []
-            for row, i in enumerate(continuing):
-                left = self.max_completion_length - len(turns.completion_ids[i])
-                sampled = new_ids[row][:left]
-                turns.ended[i] = new_ended[row] and len(new_ids[row]) <= left
-                turns.completion_ids[i] += sampled
-                turns.tool_mask[i] += [1] * len(sampled)
-                if turns.logps is not None:
-                    turns.logps[i] += new_logps[row][:left]
-                if not sampled:
-                    continue
-                message = self.format.parse(sampled, contexts[row], tools[i].functions)
-                turns.completions[i].append(message)
-                if message.get("tool_calls"):
-                    active.append(i)
+            active = self._add_turns(
+                turns, continuing, contexts, *ends.cut(new_ids, new_logps), tools
+            )
         lengths = [len(ids) for ids in turns.completion_ids]
         turns.image_inputs = images.rows(lengths, prompt_width)
         return turns
+
+    def _first_turns(self, ids, logps, ended, prompt_ids, tools) -> Turns:
+        """The rollouts after their first turn (`ids`, `logps` and `ended` cut at their ends)."""
+        return Turns(
+            completion_ids=ids,
+            tool_mask=[[1] * len(row) for row in ids],
+            logps=logps,
+            completions=[
+                [self.format.parse(row, prompt, tool.functions)]
+                for row, prompt, tool in zip(ids, prompt_ids, tools)
+            ],
+            calls=[0] * len(ids),
+            failures=[0] * len(ids),
+            ended=ended,
+        )
+
+    def _add_tool_results(self, turns, active, tools, prompt_ids, images):
+        """Runs the calls of the last turn of the rollouts `active` and appends their results.
+
+        Returns the rollouts that continue (their results fit, with room for one more token)
+        and each one's context: its prompt and all its turns and results so far."""
+        results = self.runner.run(
+            [[(tools[i], call) for call in turns.completions[i][-1]["tool_calls"]] for i in active]
+        )
+        continuing, contexts = [], []
+        for i, calls in zip(active, results):
+            turns.calls[i] += len(calls)
+            turns.failures[i] += sum(result.failed for result in calls)
+            messages = [result.message() for result in calls]
+            suffix, fields = self.format.result_tokens(messages)
+            length = len(turns.completion_ids[i]) + len(suffix)
+            # No room for the results and at least one token after them: the rollout ends at
+            # its call. It never ends on a result, which reward functions would read as the
+            # model's last message (TRL keeps results that fill the budget exactly and cuts
+            # the next turn to nothing), and no engine is asked for 0 new tokens.
+            if length >= self.max_completion_length:
+                continue
+            if len(prompt_ids[i]) + length >= self.max_model_len:
+                continue
+            if fields is not None:  # the images reach every later turn and training
+                images.add(i, len(turns.completion_ids[i]), fields)
+            turns.completions[i].extend(messages)
+            turns.completion_ids[i] += suffix
+            turns.tool_mask[i] += [0] * len(suffix)
+            if turns.logps is not None:
+                turns.logps[i] += [0.0] * len(suffix)
+            continuing.append(i)
+            contexts.append(prompt_ids[i] + turns.completion_ids[i])
+        return continuing, contexts
+
+    def _add_turns(self, turns, continuing, contexts, new_ids, new_logps, new_ended, tools):
+        """Appends the turns sampled after the contexts of the rollouts `continuing`, cut at
+        the budget; returns the rollouts whose new turn calls tools."""
+        active = []
+        for row, i in enumerate(continuing):
+            left = self.max_completion_length - len(turns.completion_ids[i])
+            sampled = new_ids[row][:left]
+            turns.ended[i] = new_ended[row] and len(new_ids[row]) <= left
+            turns.completion_ids[i] += sampled
+            turns.tool_mask[i] += [1] * len(sampled)
+            if turns.logps is not None:
+                turns.logps[i] += new_logps[row][:left]
+            if not sampled:
+                continue
+            message = self.format.parse(sampled, contexts[row], tools[i].functions)
+            turns.completions[i].append(message)
+            if message.get("tool_calls"):
+                active.append(i)
+        return active
 
 
 def _with(image_inputs) -> dict:
