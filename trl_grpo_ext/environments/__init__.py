@@ -14,7 +14,8 @@ missing raises an `ImportError` that says `pip install 'trl_grpo_ext[environment
 See docs/environments.md.
 """
 
+from .openenv import from_openenv
 from .reasoning_gym import from_reasoning_gym
 from .verifiers import from_verifiers
 
-__all__ = ["from_reasoning_gym", "from_verifiers"]
+__all__ = ["from_openenv", "from_reasoning_gym", "from_verifiers"]
