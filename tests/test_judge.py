@@ -20,8 +20,10 @@ class StubJudge:
     (the judge's reply), or an `(status, text)` pair. It records every request body and the most
     requests it held at once."""
 
-    def __init__(self, reply, delay: float = 0.0):
+    def __init__(self, reply, delay: float = 0.0, together: int = 0):
         self.reply, self.delay = reply, delay
+        # with `together`, requests are held until that many are in flight (5 s at most)
+        self.barrier = threading.Barrier(together, timeout=5) if together else None
         self.bodies, self.headers = [], []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
@@ -37,6 +39,11 @@ class StubJudge:
                     stub.in_flight += 1
                     stub.most_in_flight = max(stub.most_in_flight, stub.in_flight)
                 try:
+                    if stub.barrier is not None:
+                        try:
+                            stub.barrier.wait()
+                        except threading.BrokenBarrierError:
+                            stub.barrier.reset()
                     time.sleep(stub.delay)
                     answer = stub.reply(body) if self.path == "/v1/chat/completions" else (404, "")
                     status, text = answer if isinstance(answer, tuple) else (200, None)
@@ -78,8 +85,8 @@ class StubJudge:
 def stub_factory():
     stubs = []
 
-    def make(reply, delay=0.0):
-        stubs.append(StubJudge(reply, delay))
+    def make(reply, delay=0.0, together=0):
+        stubs.append(StubJudge(reply, delay, together))
         return stubs[-1]
 
     yield make
@@ -202,7 +209,7 @@ def test_a_slow_judge_times_out_into_none(stub_factory):
 
 
 def test_requests_in_flight_never_exceed_max_concurrency(stub_factory):
-    stub = stub_factory(lambda body: "Score: 1", delay=0.05)
+    stub = stub_factory(lambda body: "Score: 1", together=3)  # 3 requests must overlap
     reward = judge_reward(base_url=stub.base_url, model="m", rubric="r", max_concurrency=3)
     completions = [f"answer {i}" for i in range(12)]
     assert reward(prompts=["p"] * 12, completions=completions) == [0.1] * 12
