@@ -209,7 +209,7 @@ def test_a_slow_judge_times_out_into_none(stub_factory):
 
 
 def test_requests_in_flight_never_exceed_max_concurrency(stub_factory):
-    stub = stub_factory(lambda body: "Score: 1", together=3)  # 3 requests must overlap
+    stub = stub_factory(lambda body: "Score: 1", delay=0.2, together=3)  # 3 must overlap
     reward = judge_reward(base_url=stub.base_url, model="m", rubric="r", max_concurrency=3)
     completions = [f"answer {i}" for i in range(12)]
     assert reward(prompts=["p"] * 12, completions=completions) == [0.1] * 12
