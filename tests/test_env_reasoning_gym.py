@@ -109,6 +109,13 @@ def test_a_mix_is_reasoning_gyms_composite_and_each_row_scored_by_its_task():
     assert listed["train_dataset"]["answer"] == [str(e["answer"]) for e in equal]
 
 
+def test_system_prompt_by_name_or_text():
+    direct = from_reasoning_gym("leg_counting", size=1, system_prompt="direct")["train_dataset"]
+    assert direct[0]["prompt"][0]["content"] == SYSTEM_PROMPTS["direct"]
+    own = from_reasoning_gym("leg_counting", size=1, system_prompt="Reply in <answer> tags.")
+    assert own["train_dataset"][0]["prompt"][0]["content"] == "Reply in <answer> tags."
+
+
 def test_eval_rows_follow_the_training_rows():
     arguments = from_reasoning_gym("leg_counting", size=3, seed=2, eval_size=2)
     source = reasoning_gym.create_dataset("leg_counting", size=5, seed=2)

@@ -9,7 +9,8 @@
   (`from_reasoning_gym(["chain_sum", "leg_counting"], chain_sum={"max_terms": 3})`).
 
 Rows come in the dataset's order. Each has a conversational `prompt` (reasoning-gym's default
-system prompt, which asks for the answer in `<answer>` tags, then the question), an `answer`
+system prompt, which asks for the answer in `<answer>` tags, or `system_prompt`: another of its
+prompts by name, or a text; then the question), an `answer`
 column, the task's name (`task`) and the row's position (`reasoning_gym_index`). The reward,
 `reasoning_gym`, is `dataset.score_answer(extract_answer(completion), entry)`: reasoning-gym's
 own extraction (the last `<answer>...</answer>`) and scoring of its own entry, whose metadata is
@@ -83,13 +84,25 @@ def create_procedural_dataset(names, size: int, seed: int, config: dict):
     return reasoning_gym.create_dataset("composite", size=size, seed=seed, datasets=specs)
 
 
-def prompt_messages(question: str) -> list[dict]:
-    """The prompt of a question: reasoning-gym's default system prompt (answer in `<answer>`
-    tags), then the question."""
+def system_prompt_text(system_prompt: str | None) -> str:
+    """The system prompt: reasoning-gym's own by name (`"default"` when None, `"direct"`,
+    `"simple"`, ...: `reasoning_gym.utils.SYSTEM_PROMPTS`), or the text given."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
+    if system_prompt is None:
+        return SYSTEM_PROMPTS["default"]
+    if not isinstance(system_prompt, str):
+        raise TypeError(
+            f"from_reasoning_gym: system_prompt is a {type(system_prompt).__name__}; expected the "
+            f"name of one of reasoning-gym's ({sorted(SYSTEM_PROMPTS)}) or a text."
+        )
+    return SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+
+
+def prompt_messages(question: str, system_prompt: str) -> list[dict]:
+    """The prompt of a question: the system prompt, then the question."""
     return [
-        {"role": "system", "content": SYSTEM_PROMPTS["default"]},
+        {"role": "system", "content": system_prompt},
         {"role": "user", "content": question},
     ]
 
@@ -130,6 +143,7 @@ def from_reasoning_gym(
     size: int = 500,
     seed: int = 42,
     eval_size: int = 0,
+    system_prompt: str | None = None,
     **config,
 ) -> dict:
     """reasoning-gym tasks as `GroupRelativeTrainer` keyword arguments.
@@ -143,6 +157,10 @@ def from_reasoning_gym(
             The dataset's seed: the same seed, the same rows.
         eval_size (`int`, *optional*, defaults to `0`):
             Rows after the training set's, as `eval_dataset` (none when 0).
+        system_prompt (`str`, *optional*):
+            One of reasoning-gym's system prompts by name (`"default"` when unset; `"direct"`
+            asks for the answer alone, in tags), or a text of your own; the reward reads the
+            last `<answer>` tags whatever the prompt says.
         **config:
             For one task, its settings (`reasoning_gym.create_dataset(name, **config)`); for a
             mix, `task_name={settings}` for each task to configure.
@@ -159,6 +177,7 @@ def from_reasoning_gym(
 
     if not isinstance(eval_size, int) or eval_size < 0:
         raise ValueError(f"from_reasoning_gym: eval_size={eval_size!r}; expected an int >= 0.")
+    system = system_prompt_text(system_prompt)
     dataset = create_procedural_dataset(names, size + eval_size, seed, config)
     entries = [dataset[index] for index in range(size + eval_size)]
 
@@ -166,7 +185,7 @@ def from_reasoning_gym(
         return Dataset.from_list(
             [
                 {
-                    "prompt": prompt_messages(entries[i]["question"]),
+                    "prompt": prompt_messages(entries[i]["question"], system),
                     "answer": str(entries[i]["answer"]),
                     "task": entries[i]["metadata"].get("source_dataset", str(names)),
                     INDEX_COLUMN: i,
