@@ -31,6 +31,7 @@ import warnings
 
 from . import bounds, cgroups, isolation, launcher, seccomp
 from .isolation import BUBBLEWRAP, MECHANISMS, NAMESPACES, PROCESS
+from .results import NOTE, ProgramResult, escape_output
 
 _FILE_SIZE = 16 * 1024**2  # the largest file the program may write
 _OPEN_FILES = 64
@@ -146,13 +147,15 @@ class PythonSandbox:
     def __call__(self, code: str) -> str:
         error = launcher.is_text(code)
         if error:
-            return error
+            return _failure(error)
         mechanism = self.mechanism
         with contextlib.ExitStack() as cleanup:
             try:
                 call = self._prepare(mechanism, code, cleanup)
             except OSError as error:
-                return f"Error: the sandbox could not be set up ({error}); no program ran."
+                return _failure(
+                    f"Error: the sandbox could not be set up ({error}); no program ran."
+                )
             return self._run(call)
 
     async def async_call(self, code: str) -> str:
@@ -161,13 +164,15 @@ class PythonSandbox:
         Cancelled (by a tool timeout), it kills the program and removes its files first."""
         error = launcher.is_text(code)
         if error:
-            return error
+            return _failure(error)
         mechanism = self.mechanism  # found out once, by running a probe (blocking)
         with contextlib.ExitStack() as cleanup:
             try:
                 call = self._prepare(mechanism, code, cleanup)
             except OSError as error:
-                return f"Error: the sandbox could not be set up ({error}); no program ran."
+                return _failure(
+                    f"Error: the sandbox could not be set up ({error}); no program ran."
+                )
             return await self._run_async(call)
 
     def _prepare(self, mechanism: str, code: str, cleanup: contextlib.ExitStack) -> _Call:
@@ -178,9 +183,10 @@ class PythonSandbox:
         scratch = tempfile.mkdtemp(prefix=f"{cgroups.PREFIX}{cgroups.owner()}-")
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
         program = _write_program(scratch, code)
-        source = cleanup.enter_context(open(program, "rb"))  # bwrap copies it from this descriptor
-        status_path = os.path.join(scratch, "status")
-        status = cleanup.enter_context(open(status_path, "wb"))
+        # the launcher's status comes back over a pipe: nothing of the host is open for writing
+        # in the sandbox
+        status = _StatusPipe()
+        cleanup.callback(status.close)
         uid = None
         if os.geteuid() == 0 and mechanism != PROCESS:
             reservation = isolation.UidReservation()
@@ -198,12 +204,15 @@ class PythonSandbox:
         if os.geteuid() != 0:
             nproc += {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
         limits = [self.cpu_seconds, self.memory_mb * 1024**2, nproc, _FILE_SIZE, _OPEN_FILES]
-        limits += [status.fileno(), seccomp.syscall_number("keyctl")]
+        limits += [status.write, seccomp.syscall_number("keyctl")]
         python = [isolation.interpreter(), "-I", "-S", "-c", launcher.SOURCE, *map(str, limits)]
         python.append(_seccomp_filter().hex())
+        passed = [status.write]
         if mechanism == PROCESS:
             command = python
         elif mechanism == BUBBLEWRAP:
+            source = cleanup.enter_context(open(program, "rb"))  # bwrap copies it from here
+            passed.append(source.fileno())
             command = isolation.bubblewrap_command(source.fileno(), self.work_mb, python, uid=uid)
         else:
             root = os.path.join(scratch, "root")
@@ -219,14 +228,14 @@ class PythonSandbox:
             "stderr": subprocess.STDOUT,
             "cwd": scratch,
             "env": environment,
-            "pass_fds": (status.fileno(), source.fileno()),
+            "pass_fds": passed,
             "start_new_session": True,  # its own process group, killed as a whole
         }
-        return _Call(command, popen, status, status_path, leaf)
+        return _Call(command, popen, status, leaf)
 
     async def _run_async(self, call: _Call) -> str:
         process = await asyncio.create_subprocess_exec(*call.command, **call.popen)
-        call.status.close()  # the launcher's copy is the only one left
+        call.status.close_write()  # the launcher's copy is the only one left
         output = _Output(self.max_output_bytes)
         reader = asyncio.ensure_future(output.read_async(process.stdout))
         timed_out = False
@@ -242,11 +251,11 @@ class PythonSandbox:
             _, pending = await asyncio.wait({reader}, timeout=1.0)
             for task in pending:
                 task.cancel()
-        return self._report(output, process.returncode, timed_out, call)
+        return self._report(output, timed_out, call)
 
     def _run(self, call: _Call) -> str:
         process = subprocess.Popen(call.command, **call.popen)
-        call.status.close()  # the launcher's copy is the only one left
+        call.status.close_write()  # the launcher's copy is the only one left
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
@@ -272,52 +281,67 @@ class PythonSandbox:
             reader.join(timeout=1.0)
             if not reader.is_alive():
                 process.stdout.close()
-        return self._report(output, process.returncode, timed_out, call)
+        return self._report(output, timed_out, call)
 
-    def _report(self, output: _Output, returncode: int, timed_out: bool, call: _Call) -> str:
-        text = output.text()
-        # the launcher's status is exact; without it (the launcher was killed, or never ran), a
-        # shell or bwrap in between reports a death by signal N as 128 + N
-        status = launcher.read_status(call.status_path)
-        if status is None and returncode > 128 and returncode != launcher.SETUP_FAILED:
-            status = 128 - returncode
-        elif status is None:
-            status = returncode
+    def _report(self, output: _Output, timed_out: bool, call: _Call) -> ProgramResult:
+        """The call's result, from what the trainer saw: the launcher's status pipe, the wall
+        clock and the cgroup; nothing the program printed decides it."""
+        started, status = launcher.read_status(call.status.read)
+        memory = call.leaf is not None and call.leaf.oom_killed()
+        facts = {}
         if timed_out:
+            facts["limit"] = "wall_seconds"
             note = (
                 f"Error: the program ran past the time limit of {self.wall_seconds:g} s and was "
                 "stopped."
             )
-        elif status is None or returncode == launcher.SETUP_FAILED:
+        elif not started:
             note = "Error: the sandbox could not be set up; no program ran."
-        elif status < 0:
-            memory = call.leaf is not None and call.leaf.oom_killed()
-            note = f"Error: the program was killed by {_signal_name(-status)}"
-            note += f"{self._cause(-status, memory)}."
-        elif status not in (0, 1):  # 1: an uncaught exception, whose traceback is the text
-            note = f"Exit status {status}."
+        elif status is None and not memory:
+            note = (
+                "Error: the sandbox's launcher was killed before it reported the program's end; "
+                "the program was stopped."
+            )
+        elif status is not None and status < 0:
+            facts["signal"] = _signal_name(-status)
+            facts["limit"] = self._limit(-status, memory)
+            note = f"Error: the program was killed by {facts['signal']}"
+            note += f"{self._cause(facts['limit'])}."
         else:
-            note = ""
-        if note == "" and call.leaf is not None and call.leaf.oom_killed():
+            facts["exit_status"] = status
+            # 1: an uncaught exception, whose traceback is the text
+            note = "" if status in (0, 1, None) else f"Exit status {status}."
+        if memory and "limit" not in facts:
+            facts["limit"] = "memory_mb"
             note = (
                 "Error: a process of the program was killed at the memory limit of "
                 f"{self.memory_mb} MiB for the whole call."
             )
+        text = output.text()
+        notes = [note] if note else []
         if output.dropped:
-            text += (
-                f"\n[output truncated: {output.total} bytes, the first {self.max_output_bytes} "
-                "shown]"
+            notes.insert(
+                0,
+                f"output truncated: {output.total} bytes, the first {self.max_output_bytes} shown",
             )
-        return "\n".join(part for part in (text, note) if part) or "(no output)"
+        if not text and not notes:
+            notes = ["(no output)"]
+        lines = [text] if text else []
+        lines += [f"{NOTE} {line}" for line in notes]
+        return ProgramResult("\n".join(lines), output=text, truncated=output.dropped, **facts)
 
-    def _cause(self, number: int, memory: bool) -> str:
+    def _limit(self, number: int, memory: bool) -> str | None:
         if memory:
-            return f" (memory limit of {self.memory_mb} MiB for the whole call)"
-        if number == signal.SIGXCPU:
-            return f" (CPU time limit of {self.cpu_seconds} s)"
-        if number == signal.SIGXFSZ:
-            return f" (file size limit of {_FILE_SIZE // 1024**2} MiB)"
-        return ""
+            return "memory_mb"
+        return {signal.SIGXCPU: "cpu_seconds", signal.SIGXFSZ: "file_size"}.get(number)
+
+    def _cause(self, limit: str | None) -> str:
+        return {
+            "memory_mb": f" (memory limit of {self.memory_mb} MiB for the whole call)",
+            "cpu_seconds": f" (CPU time limit of {self.cpu_seconds} s)",
+            "file_size": f" (file size limit of {_FILE_SIZE // 1024**2} MiB)",
+            None: "",
+        }[limit]
 
     def _detect(self) -> str:
         """The first mechanism of namespaces and bubblewrap in which a trivial program runs here,
@@ -342,12 +366,14 @@ class PythonSandbox:
         return PROCESS
 
     def _probe(self, mechanism: str) -> str:
-        """What `print(6 * 7)` gives back under `mechanism`."""
+        """What `print(6 * 7)` gives back under `mechanism`: its output (the setup's errors when
+        it fails), else the trainer's note."""
         with contextlib.ExitStack() as cleanup:
             try:
-                return self._run(self._prepare(mechanism, "print(6 * 7)", cleanup))
+                result = self._run(self._prepare(mechanism, "print(6 * 7)", cleanup))
             except OSError as error:
                 return str(error)
+        return result.output or result
 
 
 def fallback_warning(reason: str) -> str:
@@ -395,7 +421,14 @@ class _Output:
         return self.total > self.limit
 
     def text(self) -> str:
-        return bytes(self.kept).decode("utf-8", errors="replace").rstrip("\n")
+        """What was kept, as text: control characters and lines that could pass for the
+        trainer's notes escaped (`results.escape_output`)."""
+        return escape_output(bytes(self.kept).decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def _failure(note: str) -> ProgramResult:
+    """The result of a call that ran no program."""
+    return ProgramResult(f"{NOTE} {note}")
 
 
 def _write_program(scratch: str, code: str) -> str:
@@ -424,13 +457,30 @@ def _process_environment(cwd: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
 
 
-class _Call:
-    """One call, prepared: its command and `Popen` arguments, the launcher's status file (open for
-    the launcher to inherit) and the call's cgroup (None where there is none)."""
+class _StatusPipe:
+    """The pipe the launcher writes the program's status to; the trainer keeps the read end."""
 
-    def __init__(self, command, popen, status, status_path, leaf) -> None:
-        self.command, self.popen, self.leaf = command, popen, leaf
-        self.status, self.status_path = status, status_path
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+
+    def close_write(self) -> None:
+        if self.write >= 0:
+            os.close(self.write)
+            self.write = -1
+
+    def close(self) -> None:
+        self.close_write()
+        if self.read >= 0:
+            os.close(self.read)
+            self.read = -1
+
+
+class _Call:
+    """One call, prepared: its command and `Popen` arguments, the launcher's status pipe and the
+    call's cgroup (None where there is none)."""
+
+    def __init__(self, command, popen, status: _StatusPipe, leaf) -> None:
+        self.command, self.popen, self.status, self.leaf = command, popen, status, leaf
 
 
 def _call_cgroups() -> tuple[cgroups.Hierarchy | None, str]:
