@@ -847,3 +847,63 @@ def test_control_characters_come_back_escaped(sandbox):
     neither the model's context nor a terminal raw."""
     result = sandbox(r"print('\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202egnp.exe\r\x00 ok\tdone')")
     assert result == r"\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202egnp.exe\r\x00 ok" + "\tdone"
+
+
+PROC_PROGRAM = """\
+import ctypes, os, subprocess, sys
+def write(path, value):
+    try:
+        with open(path, 'w') as file:
+            file.write(value)
+        return 'written'
+    except OSError:  # EACCES (the program is not dumpable) or EROFS
+        return 'refused'
+for name, value in (('oom_score_adj', '0'), ('loginuid', '0'), ('autogroup', '19')):
+    print(name, write(f'/proc/self/{name}', value))
+# a process it execs is dumpable again, and owns its /proc files
+lowered = subprocess.run(
+    [sys.executable, '-c', "open('/proc/self/oom_score_adj', 'w').write('0')"],
+    capture_output=True,
+)
+print('child', open('/proc/self/oom_score_adj').read().strip(), lowered.returncode != 0)
+for name in ('cmdline', 'key-users'):
+    print(name, repr(open(f'/proc/{name}').read()))
+libc = ctypes.CDLL(None, use_errno=True)
+print('inotify', libc.inotify_init1(0), os.strerror(ctypes.get_errno()))
+print('fanotify', libc.fanotify_init(0x200, 0), os.strerror(ctypes.get_errno()))
+seen = []
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    for name in ('cmdline', 'environ', 'cgroup', 'mountinfo'):
+        try:
+            seen.append(open(f'/proc/{pid}/{name}', 'rb').read().decode(errors='replace'))
+        except OSError:
+            pass
+    for link in ('cwd', 'root', *(f'fd/{fd}' for fd in range(64))):
+        try:
+            seen.append(os.readlink(f'/proc/{pid}/{link}'))
+        except OSError:
+            pass
+print('leaks', [secret for secret in SECRETS if secret in '\\n'.join(seen)])
+"""
+
+
+def test_proc_is_read_only_and_shows_nothing_of_the_host_or_the_trainer(sandbox, needs_namespaces):
+    """The program (and a process it execs) cannot lower its `oom_score_adj` or set its loginuid
+    or autogroup; `/proc/cmdline` and `/proc/key-users` are empty; inotify and fanotify are
+    refused; no process of the sandbox shows the trainer's scratch folder, pid or cgroup."""
+    needs_filter()
+    with open("/proc/self/cgroup") as file:
+        trainer_cgroups = {line.strip().split(":", 2)[2] for line in file} - {"/"}
+    secrets = [cgroups.PREFIX, tempfile.gettempdir() + "/", *trainer_cgroups]
+    output = sandbox(f"SECRETS = {secrets!r}\n" + PROC_PROGRAM)
+    assert output.splitlines() == [
+        "oom_score_adj refused",
+        "loginuid refused",
+        "autogroup refused",
+        "child 1000 True",
+        "cmdline ''",
+        "key-users ''",
+        "inotify -1 Operation not permitted",
+        "fanotify -1 Operation not permitted",
+        "leaks []",
+    ], output

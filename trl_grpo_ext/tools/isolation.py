@@ -110,7 +110,11 @@ for device in null zero random urandom; do
   mount --bind "/dev/$device" "$root/dev/$device"
 done
 ln -s /proc/self/fd "$root/dev/fd"
-mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
+# read-only: no process of the program can lower its oom_score_adj or set its loginuid
+mount -t proc -o ro,nosuid,nodev,noexec proc "$root/proc"
+for name in $MASKED_PROC; do
+  mount --bind /dev/null "$root/proc/$name"
+done
 mount -t tmpfs -o "mode=0755,size=${size}m,nr_inodes=$inodes,nosuid,nodev" work "$root/work"
 mount -t tmpfs -o "mode=1777,size=${shm}m,nr_inodes=$shm_inodes,nosuid,nodev" shm "$root/dev/shm"
 cp "$program" "$root/work/main.py"
@@ -134,6 +138,11 @@ else
   setpriv --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
 fi
 """
+
+# Files of the program's `/proc` that tell of the host rather than of the sandbox: its boot
+# arguments, and the uids (other calls') holding keys; they read as empty (`/dev/null` over them).
+MASKED_PROC = ("cmdline", "key-users")
+SETUP_SCRIPT = SETUP_SCRIPT.replace("$MASKED_PROC", " ".join(MASKED_PROC))
 
 _TOOLS = ("unshare", "mount", "umount", "pivot_root", "setpriv")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -187,7 +196,8 @@ def namespace_command(
     `as_root`: whether to run as root (mounts as root, the program as `uid`, by default a fresh
     one of `SANDBOX_UIDS`) or in a user namespace; by default, whether this process is root."""
     as_root = os.geteuid() == 0 if as_root is None else as_root
-    unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork"]
+    unshare.append("--kill-child")
     if not as_root:
         # The user namespace first, in a process of its own: making it resets the parent-death
         # signal (the credentials change), which `setpriv` then sets again for the rest.
@@ -263,6 +273,9 @@ def bubblewrap_command(
     for device in ("null", "zero", "random", "urandom"):
         arguments += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
     arguments += ["--symlink", "/proc/self/fd", "/dev/fd", "--proc", "/proc"]
+    for name in MASKED_PROC:
+        arguments += ["--dev-bind", "/dev/null", f"/proc/{name}"]  # --ro-bind: nodev
+    arguments += ["--remount-ro", "/proc"]
     arguments += ["--perms", "1777", "--size", str(SHM_MB * 1024**2), "--tmpfs", "/dev/shm"]
     # mode 0777: as root, the program's uid does not own the tmpfs
     arguments += ["--perms", "0777", "--size", str(work_mb * 1024**2), "--tmpfs", "/work"]

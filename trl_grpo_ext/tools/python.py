@@ -215,9 +215,10 @@ class PythonSandbox:
             passed.append(source.fileno())
             command = isolation.bubblewrap_command(source.fileno(), self.work_mb, python, uid=uid)
         else:
-            root = os.path.join(scratch, "root")
-            os.mkdir(root)
-            command = isolation.namespace_command(root, program, self.work_mb, python, uid=uid)
+            os.mkdir(os.path.join(scratch, "root"))
+            # paths relative to the scratch folder (its working directory), which the program
+            # would otherwise read in the setup's command line
+            command = isolation.namespace_command("root", "main.py", self.work_mb, python, uid=uid)
         command = isolation.first_process(command, leaf.procs_files if leaf else [])
         environment = isolation.environment()
         if mechanism == PROCESS:

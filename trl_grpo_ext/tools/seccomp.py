@@ -11,7 +11,7 @@ What the filter refuses (everything else is allowed):
 - new namespaces (`unshare`, `setns`, `clone` with a `CLONE_NEW*` flag: `EPERM`; `clone3`, whose
   flags a filter cannot read: `ENOSYS`, so that the C library falls back to `clone`);
 - keyrings (`add_key`, `keyctl`, `request_key`), `io_uring`, `ptrace`, `pidfd_open` and
-  `pidfd_getfd` (another process's descriptors), `bpf`, `perf_event_open`, `userfaultfd`, mounts,
+  `pidfd_getfd` (another process's descriptors), inotify and fanotify, `bpf`, `perf_event_open`, `userfaultfd`, mounts,
   and the administration calls below (`EPERM`).
 System calls of another architecture than the interpreter's (e.g. 32-bit calls from a 64-bit
 program) kill the program: libseccomp's default for a foreign architecture.
@@ -31,6 +31,8 @@ REFUSED = (
     *("ptrace", "process_vm_readv", "process_vm_writev", "bpf", "perf_event_open", "userfaultfd"),
     # a process's descriptors taken from it (its launcher's status pipe)
     *("pidfd_open", "pidfd_getfd"),
+    # watching the host's files for activity (`/usr` is a bind of the host's)
+    *("inotify_init", "inotify_init1", "fanotify_init"),
     *("unshare", "setns"),
     *("mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "mount_setattr"),
     *("fsopen", "fsconfig", "fsmount", "fspick"),
