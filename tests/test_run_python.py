@@ -907,3 +907,22 @@ def test_proc_is_read_only_and_shows_nothing_of_the_host_or_the_trainer(sandbox,
         "fanotify -1 Operation not permitted",
         "leaks []",
     ], output
+
+
+def test_a_writable_mount_below_a_read_only_path_is_read_only_inside(sandbox, needs_namespaces):
+    """A writable mount of the host below the interpreter's prefix (one made for the test) is
+    read-only in the sandbox, as its parent is: the read-only binds are recursive."""
+    if os.geteuid() != 0:
+        pytest.skip("making a mount for the test needs root")
+    below = tempfile.mkdtemp(prefix="rw-below-", dir=os.path.realpath(sys.base_prefix))
+    try:
+        if os.system(f"mount -t tmpfs -o size=1m rw-below {below}") != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        try:
+            output = sandbox(f"open({below + '/written'!r}, 'w').write('x')")
+            assert output.endswith(f"OSError: [Errno 30] Read-only file system: '{below}/written'")
+            assert not os.path.exists(os.path.join(below, "written"))
+        finally:
+            os.system(f"umount {below}")
+    finally:
+        os.rmdir(below)

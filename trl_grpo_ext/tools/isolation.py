@@ -127,6 +127,15 @@ pivot_root . old
 umount -l /old
 rmdir /old
 mount -o remount,bind,ro /
+# every mount below the read-only binds too (a writable mount of the host's below /usr): a bind
+# remount acts on one mount only
+targets=$(while read -r _ _ _ _ target _; do echo "$target"; done </proc/self/mountinfo)
+for target in $targets; do
+  case $target in
+    / | /work | /dev/shm | /dev/* | /proc | /proc/*) ;;
+    *) mount -o remount,bind,ro "$target" ;;
+  esac
+done
 cd /work
 unset OLDPWD
 # Not `exec`: this shell stays PID 1 of the namespace, so the program's signals act as usual
