@@ -13,7 +13,8 @@ Where the leaf is made, below the trainer's own cgroup:
   `pids.max`.
 - **cgroup v1** (hosts that still mount the `memory` and `pids` hierarchies, whose v2 has no
   controllers): one leaf in each, with `memory.limit_in_bytes`, `memory.memsw.limit_in_bytes`
-  where swap is accounted, and `pids.max`.
+  where swap is accounted, `memory.kmem.tcp.limit_in_bytes` (v1 charges socket buffers to a
+  leaf only with it; v2 always does) and `pids.max`.
 - Otherwise no leaf: `CgroupsUnavailable` says why, and the sandbox states the bounds that hold.
 
 A leaf is named `run_python-<owner>-<n>`, the owner being the trainer's pid and start time, so a
@@ -85,6 +86,10 @@ class Hierarchy:
                 _write(leaf.directories["memory"], "memory.limit_in_bytes", memory_bytes)
                 _write_if_present(
                     leaf.directories["memory"], "memory.memsw.limit_in_bytes", memory_bytes
+                )
+                # v1 counts socket buffers (unread TCP data) only for a leaf with a TCP limit
+                _write_if_present(
+                    leaf.directories["memory"], "memory.kmem.tcp.limit_in_bytes", memory_bytes
                 )
                 _write(leaf.directories["pids"], "pids.max", processes)
         except OSError:
