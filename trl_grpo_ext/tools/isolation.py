@@ -54,6 +54,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import sys
 
 NAMESPACES = "namespaces"
@@ -319,6 +320,50 @@ class UidReservation:
 
     def release(self) -> None:
         self._holder.close()
+
+
+def others_can_run_interpreter() -> bool:
+    """Whether a uid of no group (the process fallback's, run by root) can run `interpreter()`
+    with its standard library: every folder above them searchable by others, the library's own
+    folder readable (not so for an interpreter installed under root's home, mode 0700)."""
+    library = os.path.dirname(os.path.realpath(os.__file__))
+    for path in (os.path.dirname(interpreter()), library):
+        while True:
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                return False
+            if not mode & stat.S_IXOTH or (path == library and not mode & stat.S_IROTH):
+                return False
+            if path == "/":
+                break
+            path = os.path.dirname(path)
+    return True
+
+
+# IPC_RMID for each kind of SysV object: (its /proc/sysvipc file, its id column, how to remove it)
+_SYSV = (("shm", "shmid", "shmctl"), ("sem", "semid", "semctl"), ("msg", "msqid", "msgctl"))
+
+
+def remove_ipc(uid: int) -> None:
+    """Removes the SysV shared memory segments, semaphores and message queues that `uid` owns in
+    this IPC namespace (those of a program run without an IPC namespace of its own)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, id_column, call in _SYSV:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as file:
+                header, *rows = [line.split() for line in file]
+        except (OSError, ValueError):
+            continue
+        for row in rows:
+            fields = dict(zip(header, row))
+            if str(uid) in (fields.get("uid"), fields.get("cuid")):  # owner, or creator
+                if call == "semctl":
+                    libc.semctl(int(fields[id_column]), 0, 0, None)  # IPC_RMID
+                else:
+                    getattr(libc, call)(int(fields[id_column]), 0, None)
 
 
 def _random_uid() -> int:

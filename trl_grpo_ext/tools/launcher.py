@@ -2,7 +2,9 @@
 
 In order, before the program's first line:
 1. joins a new, empty session keyring, so no key of the trainer's session (or, through it, of its
-   user's keyring) can be reached even where no seccomp filter is loaded;
+   user's keyring) can be reached even where no seccomp filter is loaded; in the process fallback
+   run by root, also an IPC namespace (where it can make one) and a uid of its own, with no
+   capability;
 2. sets the resource limits (inside the namespaces, where `RLIMIT_NPROC` counts the program's
    processes only);
 3. loads the seccomp filter (`seccomp.compiled_filter`), after `PR_SET_NO_NEW_PRIVS`; if the
@@ -28,11 +30,27 @@ SETUP_FAILED = 125
 
 SOURCE = """\
 import ctypes, os, resource, sys
-cpu, memory, processes, file_size, files, status, keyctl = map(int, sys.argv[1:8])
-bpf = bytes.fromhex(sys.argv[8])
+cpu, memory, processes, file_size, files, status, keyctl, uid = map(int, sys.argv[1:9])
+bpf = bytes.fromhex(sys.argv[9])
 libc = ctypes.CDLL(None, use_errno=True)
 if keyctl >= 0:  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous session keyring
     libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), ctypes.c_void_p(0))
+if uid != -1:  # the process fallback run by root: an IPC namespace where it can make one,
+    libc.unshare(0x08000000)  # CLONE_NEWIPC; where refused, the trainer removes its objects
+    try:  # its loginuid, where unset, so that no process of it can set it
+        with open("/proc/self/loginuid", "w") as file:
+            file.write(str(max(uid, 0)))
+    except OSError:
+        pass
+    if uid >= 0:  # a uid of its own
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    else:  # root, where others cannot run the interpreter: without capabilities, even by exec
+        for capability in range(64):
+            libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        libc.capset(header, (ctypes.c_uint32 * 6)())
 for limit, soft, hard in (
     (resource.RLIMIT_CPU, cpu, cpu + 1),
     (resource.RLIMIT_AS, memory, memory),

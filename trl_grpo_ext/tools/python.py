@@ -187,11 +187,16 @@ class PythonSandbox:
         # in the sandbox
         status = _StatusPipe()
         cleanup.callback(status.close)
-        uid = None
-        if os.geteuid() == 0 and mechanism != PROCESS:
+        uid = None  # a uid of its own for a root trainer's program, which RLIMIT_NPROC counts
+        if os.geteuid() == 0 and (mechanism != PROCESS or isolation.others_can_run_interpreter()):
             reservation = isolation.UidReservation()
             cleanup.callback(reservation.release)
             uid = reservation.uid
+            if mechanism == PROCESS:  # the launcher switches to it, in the scratch folder
+                os.chown(scratch, uid, uid)
+                os.chown(program, uid, uid)
+                # SysV objects of a program without an IPC namespace, which outlive it
+                cleanup.callback(isolation.remove_ipc, uid)
         helpers = 0 if mechanism == PROCESS else 2  # unshare and its shell; bwrap's two
         hierarchy, _ = _call_cgroups()
         leaf = None
@@ -205,6 +210,12 @@ class PythonSandbox:
             nproc += {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
         limits = [self.cpu_seconds, self.memory_mb * 1024**2, nproc, _FILE_SIZE, _OPEN_FILES]
         limits += [status.write, seccomp.syscall_number("keyctl")]
+        # the process fallback run by root: the launcher switches to `uid`, or (-2) stays root
+        # without capabilities
+        fallback_uid = -1
+        if mechanism == PROCESS and os.geteuid() == 0:
+            fallback_uid = -2 if uid is None else uid
+        limits.append(fallback_uid)
         python = [isolation.interpreter(), "-I", "-S", "-c", launcher.SOURCE, *map(str, limits)]
         python.append(_seccomp_filter().hex())
         passed = [status.write]
@@ -379,21 +390,41 @@ class PythonSandbox:
 
 def fallback_warning(reason: str) -> str:
     """What the process fallback isolates, and what it does not."""
-    processes = (
-        "the number of processes is NOT limited (this process runs as root, which RLIMIT_NPROC "
-        "exempts)"
-        if os.geteuid() == 0
-        else "no new process can be started (RLIMIT_NPROC counts all of this user's processes)"
-    )
+    if os.geteuid() == 0 and isolation.others_can_run_interpreter():
+        who = (
+            "As this process runs as root, each program runs as a uid of its own without "
+            "capabilities (RLIMIT_NPROC and the call's cgroup hold its processes; it cannot leave "
+            "the cgroup or signal this process), in an IPC namespace of its own where one can be "
+            "made (else its SysV objects are removed after the call). NOT bounded: it can read "
+            "whatever any user may read on this host, write in world-writable folders (/tmp, "
+            "/dev/shm: such files outlive the call), reach the network and abstract unix sockets, "
+            "lower the oom_score_adj of a process it starts, and see the host's /proc"
+        )
+    elif os.geteuid() == 0:
+        who = (
+            f"This process runs as root and other users cannot run its interpreter "
+            f"({isolation.interpreter()}, e.g. under root's home), so programs run as root "
+            "without capabilities, in an IPC namespace of their own where one can be made. NOT "
+            "bounded: the number of processes (RLIMIT_NPROC exempts root); a program can move "
+            "itself out of the call's cgroup, raise its pids.max, leave a process running after "
+            "the call, read and write root's files, signal root's processes (this one included), "
+            "reach the network, lower its oom_score_adj, and see the host's /proc. Use an "
+            "interpreter that other users can run (e.g. the system's, or one under /opt)"
+        )
+    else:
+        who = (
+            "no new process can be started (RLIMIT_NPROC counts all of this user's processes). "
+            "They can read and write whatever this user can, reach the network, and signal this "
+            "user's processes"
+        )
     return (
         f"run_python cannot isolate programs with Linux namespaces: {reason}. Programs run in a "
         "separate process with CPU, memory, file-size and open-file limits, an empty environment "
-        "and a temporary working directory, killed after the wall-clock limit; "
-        f"{processes}. They can read and write whatever this user can, reach the network, and "
-        "signal this user's processes. For isolation, run the trainer where unprivileged user "
-        "namespaces are allowed (`unshare --user --map-root-user true` succeeds), or install "
-        "bubblewrap (`apt install bubblewrap`; on Ubuntu 23.10 and later its AppArmor profile lets "
-        "`bwrap` make them where `unshare` may not)."
+        f"and a temporary working directory, killed after the wall-clock limit. {who}. For "
+        "isolation, run the trainer where unprivileged user namespaces are allowed (`unshare "
+        "--user --map-root-user true` succeeds), or install bubblewrap (`apt install "
+        "bubblewrap`; on Ubuntu 23.10 and later its AppArmor profile lets `bwrap` make them where "
+        "`unshare` may not)."
     )
 
 
