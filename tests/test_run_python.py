@@ -1034,3 +1034,23 @@ def test_the_fallback_as_root_bounds_what_its_warning_says(monkeypatch, interpre
     finally:
         for pid in marked_processes(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_flock_on_a_host_file_is_refused(sandbox):
+    """`flock` on a file of the host that the program can read would block the host's processes
+    that lock it; it is refused, while POSIX locks on its own files (SQLite's) work."""
+    needs_filter()
+    program = (
+        "import fcntl, sqlite3\n"
+        "with open('/etc/ld.so.cache', 'rb') as file:\n"
+        "    try:\n"
+        "        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "        print('locked')\n"
+        "    except OSError as error:\n"
+        "        print(error.strerror)\n"
+        "database = sqlite3.connect('t.db')  # in its working directory\n"
+        "database.execute('create table t (x)')\n"
+        "database.commit()\n"
+        "print(database.execute('select count(*) from t').fetchone())\n"
+    )
+    assert sandbox(program) == "No locks available\n(0,)"

@@ -13,6 +13,7 @@ What the filter refuses (everything else is allowed):
 - keyrings (`add_key`, `keyctl`, `request_key`), `io_uring`, `ptrace`, `pidfd_open` and
   `pidfd_getfd` (another process's descriptors), inotify and fanotify, `bpf`, `perf_event_open`, `userfaultfd`, mounts,
   and the administration calls below (`EPERM`).
+`flock` fails with `ENOLCK` (POSIX record locks through `fcntl` stay: SQLite uses them).
 System calls of another architecture than the interpreter's (e.g. 32-bit calls from a 64-bit
 program) kill the program: libseccomp's default for a foreign architecture.
 """
@@ -82,6 +83,9 @@ def compiled_filter() -> bytes:
     for name in REFUSED:
         _add(rules, refuse, name)
     _add(rules, seccomp.ERRNO(errno.ENOSYS), "clone3")
+    # `flock` on a host file it can read (the interpreter, ld.so.cache) would block the host's
+    # processes that lock it; POSIX record locks (`fcntl`), which SQLite uses in /work, stay
+    _add(rules, seccomp.ERRNO(errno.ENOLCK), "flock")
     for flag in _CLONE_NAMESPACES:
         _add(rules, refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     no_family = seccomp.ERRNO(errno.EAFNOSUPPORT)
