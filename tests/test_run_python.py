@@ -55,14 +55,18 @@ def fails_when_hung(request):
 @pytest.fixture(scope="module", params=isolation.MECHANISMS)
 def sandbox(request):
     mechanism = request.param
+    # the reasons start with conftest's UNTESTED_MECHANISM, which the run's summary repeats
+    untested = f"run_python mechanism untested: {mechanism}"
     if mechanism == isolation.NAMESPACES and isolation.missing_tools():
-        pytest.skip(f"util-linux's {', '.join(isolation.missing_tools())} not installed")
+        pytest.skip(
+            f"{untested}: util-linux's {', '.join(isolation.missing_tools())} not installed"
+        )
     if mechanism == isolation.BUBBLEWRAP and isolation.bubblewrap() is None:
-        pytest.skip("bubblewrap (`bwrap`) is not installed (`apt install bubblewrap`)")
+        pytest.skip(f"{untested}: bubblewrap (`bwrap`) is not installed (`apt install bubblewrap`)")
     sandbox = PythonSandbox(**LIMITS, isolation=mechanism)
     output = sandbox("print(6 * 7)")
     if output != "42":
-        pytest.skip(f"this machine cannot run the {mechanism} mechanism: {output[-300:]}")
+        pytest.skip(f"{untested}: this machine cannot run it: {output[-300:]}")
     return sandbox
 
 
