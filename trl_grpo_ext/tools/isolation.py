@@ -8,8 +8,10 @@ fresh tmpfs holding read-only bind mounts of the system directories (`/usr` and 
 `/dev/{null,zero,random,urandom}`, a small `/dev/shm`, a new `/proc`, and a writable tmpfs `/work`
 (its working directory, `/tmp` points to it; both tmpfs mounts have an inode cap); the host's root
 is unmounted after `pivot_root`, so nothing else of the host (home directories, `/etc`, `/tmp`,
-the project) exists for it. The network namespace
-has only a loopback interface, down. When all of it dies (the program exits, or is killed), the
+the project) exists for it. The read-only binds are read-only all the way down (a mount below them
+too); `/proc` is read-only, with `/proc/cmdline` and `/proc/key-users` masked, and a cgroup
+namespace shows the call's cgroup as `/`. The network namespace has only a loopback interface,
+down. When all of it dies (the program exits, or is killed), the
 kernel kills every process left in its PID namespace.
 
 - Run by an unprivileged user, the namespaces are made in a new user namespace whose root is the
@@ -44,8 +46,10 @@ refused rather than unreachable), and `/` is remounted read-only after the setup
 **Process** (the fallback, when namespaces cannot be made, e.g. in a Docker container with the
 default seccomp profile, or under Ubuntu's AppArmor restriction of unprivileged user namespaces
 without `bwrap`): a separate process in a session of its own, with the same resource limits, an
-empty environment and a temporary working directory, but the host's file system and network as the
-user running the trainer sees them.
+empty environment and a temporary working directory, but the host's file system and network as its
+uid sees them. Run by root, the launcher moves into an IPC namespace where it can make one and runs
+the program as a uid of its own where other users can run the interpreter
+(`others_can_run_interpreter`), else as root without capabilities.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ only, no site-packages, no `PYTHON*` variables), isolated by Linux namespaces (m
 or by bubblewrap) where they can be made and limited by `setrlimit` in every case (see
 `isolation` for exactly what each mechanism hides). What comes back is a string for the model,
 never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
-traceback when it fails, or a short error when it runs past a limit. When the call returns, every
-process of the program has been killed and its temporary files removed. Memory and processes are
+traceback when it fails, or a short error when it runs past a limit, as a `ProgramResult`: the
+trainer's notes on lines starting with `[run_python]`, which no line of the program's output can
+pass for, and fields (`exit_status`, `signal`, `limit`, `failed`...) that the program cannot
+forge. When the call returns, every process of the program has been killed and its temporary
+files removed. Memory and processes are
 bounded for the call as a whole by a cgroup of its own where the trainer can make one (`cgroups`),
 a seccomp filter closes kernel surface a math tool has no use for (`seccomp`), and the sandbox dies
 with the trainer (a parent-death signal; what a killed trainer leaves is removed at the next start).
@@ -64,7 +67,9 @@ class PythonSandbox:
 
     Args:
         cpu_seconds (`int`, *optional*, defaults to `10`):
-            CPU time of the program (`RLIMIT_CPU`); past it the kernel kills it.
+            CPU time of each process of the program (`RLIMIT_CPU`); past it the kernel kills
+            that process. A call's CPU time as a whole is bounded by `wall_seconds` (at most
+            `wall_seconds` times the CPUs).
         wall_seconds (`float`, *optional*, defaults to `10.0`):
             Wall-clock time of a call, from start to finish; past it every process of the program
             is killed. Keep it below the trainer's `tool_call_timeout`.

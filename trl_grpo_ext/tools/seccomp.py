@@ -11,8 +11,8 @@ What the filter refuses (everything else is allowed):
 - new namespaces (`unshare`, `setns`, `clone` with a `CLONE_NEW*` flag: `EPERM`; `clone3`, whose
   flags a filter cannot read: `ENOSYS`, so that the C library falls back to `clone`);
 - keyrings (`add_key`, `keyctl`, `request_key`), `io_uring`, `ptrace`, `pidfd_open` and
-  `pidfd_getfd` (another process's descriptors), inotify and fanotify, `bpf`, `perf_event_open`, `userfaultfd`, mounts,
-  and the administration calls below (`EPERM`).
+  `pidfd_getfd` (another process's descriptors), inotify and fanotify, `bpf`,
+  `perf_event_open`, `userfaultfd`, mounts, and the administration calls below (`EPERM`).
 `flock` fails with `ENOLCK` (POSIX record locks through `fcntl` stay: SQLite uses them).
 System calls of another architecture than the interpreter's (e.g. 32-bit calls from a 64-bit
 program) kill the program: libseccomp's default for a foreign architecture.
