@@ -179,8 +179,11 @@ def test_the_limits_are_checked():
 
 def test_an_infinite_loop_is_killed_at_its_cpu_limit(sandbox):
     start = time.monotonic()
-    output = sandbox("while True:\n    pass")
-    assert "killed by SIGXCPU (CPU time limit of 2 s)" in output
+    # 2 CPU-s take more than LIMITS' 5 s of wall time on a machine whose two cores carry a load
+    # of 9: the wall-clock limit must not come first
+    output = like(sandbox, **{**LIMITS, "wall_seconds": 25.0})("while True:\n    pass")
+    # RLIMIT_CPU's SIGXCPU, or the call's cgroup, which counts the launcher's start-up too
+    assert output.limit == "cpu_seconds" and "CPU time limit of 2 s" in output, output
     assert time.monotonic() - start < 30
 
 
@@ -1058,3 +1061,31 @@ def test_flock_on_a_host_file_is_refused(sandbox):
         "print(database.execute('select count(*) from t').fetchone())\n"
     )
     assert sandbox(program) == "No locks available\n(0,)"
+
+
+def test_cpu_seconds_bound_a_chain_of_processes_as_a_whole(sandbox):
+    """Six processes, each spending 0.7 s of CPU (under the 1 s that `RLIMIT_CPU` gives each) and
+    then waiting for the next: the call's cgroup stops them at 1 s of CPU time together."""
+    needs_cgroup()
+    with open("/proc/self/mounts") as file:
+        cpuacct = "cpuacct" in file.read()
+    if python_module._call_cgroups()[0].version == 1 and not cpuacct:
+        pytest.skip("the cgroup v1 cpuacct hierarchy is not mounted here")
+    program = (
+        "import os, time\n"
+        "for stage in range(6):\n"
+        "    end = time.process_time() + 0.7\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n"
+        "    child = os.fork()\n"
+        "    if child:\n"
+        "        os.waitpid(child, 0)\n"
+        "        os._exit(0)\n"
+        "print('spent', round(6 * 0.7, 1), 'CPU-s')\n"
+    )
+    result = like(sandbox, cpu_seconds=1, wall_seconds=30.0)(program)
+    assert "spent" not in result and result.limit == "cpu_seconds", result
+    assert result.endswith(
+        "[run_python] Error: the program ran past the CPU time limit of 1 s (all its processes "
+        "together) and was stopped."
+    )

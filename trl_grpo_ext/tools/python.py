@@ -67,9 +67,10 @@ class PythonSandbox:
 
     Args:
         cpu_seconds (`int`, *optional*, defaults to `10`):
-            CPU time of each process of the program (`RLIMIT_CPU`); past it the kernel kills
-            that process. A call's CPU time as a whole is bounded by `wall_seconds` (at most
-            `wall_seconds` times the CPUs).
+            CPU time of each process of the program (`RLIMIT_CPU`, past which the kernel kills
+            it) and, where the call's cgroup accounts for CPU time (v2, or v1's `cpuacct`), of
+            all its processes together (checked every 0.1 s; past it the call is stopped).
+            Without such a cgroup a call's CPU time is bounded by `wall_seconds` alone.
         wall_seconds (`float`, *optional*, defaults to `10.0`):
             Wall-clock time of a call, from start to finish; past it every process of the program
             is killed. Keep it below the trainer's `tool_call_timeout`.
@@ -253,6 +254,7 @@ class PythonSandbox:
     async def _run_async(self, call: _Call) -> str:
         process = await asyncio.create_subprocess_exec(*call.command, **call.popen)
         call.status.close_write()  # the launcher's copy is the only one left
+        call.watch_cpu(self.cpu_seconds)
         output = _Output(self.max_output_bytes)
         reader = asyncio.ensure_future(output.read_async(process.stdout))
         timed_out = False
@@ -268,11 +270,13 @@ class PythonSandbox:
             _, pending = await asyncio.wait({reader}, timeout=1.0)
             for task in pending:
                 task.cancel()
+            call.stop_watching()
         return self._report(output, timed_out, call)
 
     def _run(self, call: _Call) -> str:
         process = subprocess.Popen(call.command, **call.popen)
         call.status.close_write()  # the launcher's copy is the only one left
+        call.watch_cpu(self.cpu_seconds)
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
@@ -298,6 +302,7 @@ class PythonSandbox:
             reader.join(timeout=1.0)
             if not reader.is_alive():
                 process.stdout.close()
+            call.stop_watching()
         return self._report(output, timed_out, call)
 
     def _report(self, output: _Output, timed_out: bool, call: _Call) -> ProgramResult:
@@ -311,6 +316,12 @@ class PythonSandbox:
             note = (
                 f"Error: the program ran past the time limit of {self.wall_seconds:g} s and was "
                 "stopped."
+            )
+        elif call.cpu_watch is not None and call.cpu_watch.exceeded:
+            facts["limit"] = "cpu_seconds"
+            note = (
+                f"Error: the program ran past the CPU time limit of {self.cpu_seconds} s (all its "
+                "processes together) and was stopped."
             )
         elif not started:
             note = "Error: the sandbox could not be set up; no program ran."
@@ -518,6 +529,17 @@ class _Call:
 
     def __init__(self, command, popen, status: _StatusPipe, leaf) -> None:
         self.command, self.popen, self.status, self.leaf = command, popen, status, leaf
+        self.cpu_watch: cgroups.CpuWatch | None = None
+
+    def watch_cpu(self, seconds: float) -> None:
+        """Kills the call once all its processes have used `seconds` of CPU time, where its
+        cgroup accounts for it (elsewhere `RLIMIT_CPU` bounds each process alone)."""
+        if self.leaf is not None and self.leaf.cpu_seconds() is not None:
+            self.cpu_watch = cgroups.CpuWatch(self.leaf, seconds)
+
+    def stop_watching(self) -> None:
+        if self.cpu_watch is not None:
+            self.cpu_watch.stop()
 
 
 def _call_cgroups() -> tuple[cgroups.Hierarchy | None, str]:
