@@ -244,7 +244,9 @@ class PythonSandbox:
             "stdin": subprocess.DEVNULL,
             "stdout": subprocess.PIPE,
             "stderr": subprocess.STDOUT,
-            "cwd": scratch,
+            # bwrap reads the program from its descriptor: its own working directory, which its
+            # PID 1 keeps and a program of the same user may read, need not be the scratch folder
+            "cwd": "/" if mechanism == BUBBLEWRAP else scratch,
             "env": environment,
             "pass_fds": passed,
             "start_new_session": True,  # its own process group, killed as a whole
