@@ -52,10 +52,30 @@ def pytest_runtest_logreport(report):
     """With PYTEST_FAILURES_LOG set, each failure's report is appended to that file as it
     happens: a run stopped at a time limit (a lent GPU's session) still has the tracebacks that
     pytest prints only at the end. Under pytest-xdist the controller writes them."""
+    if not _XDIST_WORKER:
+        _note_untested(report)
     path = os.environ.get("PYTEST_FAILURES_LOG")
     if path and report.failed and not _XDIST_WORKER:
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+# Why a mechanism of run_python's sandbox went untested (its cases skipped), said loudly at the
+# end of the run: a green run must not hide a mechanism that never ran.
+UNTESTED_MECHANISM = "run_python mechanism untested"
+_untested: set[str] = set()
+
+
+def _note_untested(report) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        if UNTESTED_MECHANISM in reason:
+            _untested.add(reason.split(UNTESTED_MECHANISM, 1)[1].lstrip(": "))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for reason in sorted(_untested):
+        terminalreporter.write_sep("!", f"{UNTESTED_MECHANISM}: {reason}", red=True, bold=True)
 
 
 @pytest.fixture(scope="session")

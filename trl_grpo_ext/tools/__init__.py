@@ -5,7 +5,8 @@
 - `Environments`: `environment_factory` of TRL: a pool of instances, `reset(**row)`, their public
   methods as tools, `get_reward()` as reward functions.
 - `run_python`, `PythonSandbox`: a tool that runs model-written Python in a sandbox (Linux
-  namespaces, resource limits) and returns its output.
+  namespaces, resource limits) and returns its output as a `ProgramResult` (a string whose
+  fields say how the program ended, which a reward function can read).
 - `code_block_format`: the tool format of tool-integrated reasoning (calls written as Markdown
   code blocks) for a ChatML model whose template has no tool format.
 - `ToolRunner`: runs the tool calls of a batch, each rollout's in the model's order: sync tools
@@ -29,7 +30,14 @@ from .environments import (
 from .formats import code_block_format
 from .functions import ToolSet, as_toolset, is_async_callable
 from .python import PythonSandbox, run_python
-from .results import ToolResult, error_result, tool_counts, tool_message, tool_metrics
+from .results import (
+    ProgramResult,
+    ToolResult,
+    error_result,
+    tool_counts,
+    tool_message,
+    tool_metrics,
+)
 from .runner import ToolCall, ToolRunner
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "ENVIRONMENT_FIELD",
     "EnvironmentFactory",
     "Environments",
+    "ProgramResult",
     "PythonSandbox",
     "ToolCall",
     "ToolResult",

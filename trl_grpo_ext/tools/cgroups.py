@@ -13,7 +13,9 @@ Where the leaf is made, below the trainer's own cgroup:
   `pids.max`.
 - **cgroup v1** (hosts that still mount the `memory` and `pids` hierarchies, whose v2 has no
   controllers): one leaf in each, with `memory.limit_in_bytes`, `memory.memsw.limit_in_bytes`
-  where swap is accounted, and `pids.max`.
+  where swap is accounted, `memory.kmem.tcp.limit_in_bytes` (v1 charges socket buffers to a
+  leaf only with it; v2 always does) and `pids.max`; and one in `cpuacct` where it is mounted,
+  for the CPU time of the whole call (v2's `cpu.stat` has it in any leaf).
 - Otherwise no leaf: `CgroupsUnavailable` says why, and the sandbox states the bounds that hold.
 
 A leaf is named `run_python-<owner>-<n>`, the owner being the trainer's pid and start time, so a
@@ -27,6 +29,7 @@ import errno
 import itertools
 import os
 import signal
+import threading
 import time
 
 PREFIX = "run_python-"
@@ -86,6 +89,10 @@ class Hierarchy:
                 _write_if_present(
                     leaf.directories["memory"], "memory.memsw.limit_in_bytes", memory_bytes
                 )
+                # v1 counts socket buffers (unread TCP data) only for a leaf with a TCP limit
+                _write_if_present(
+                    leaf.directories["memory"], "memory.kmem.tcp.limit_in_bytes", memory_bytes
+                )
                 _write(leaf.directories["pids"], "pids.max", processes)
         except OSError:
             leaf.remove()
@@ -134,6 +141,21 @@ class Leaf:
         except (OSError, ValueError):
             return False
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time that every process of the call has used so far, in seconds (v2's
+        `cpu.stat`, v1's `cpuacct.usage`), or None where the leaf does not account for it."""
+        try:
+            if self.version == 2:
+                with open(os.path.join(self.directories[""], "cpu.stat")) as file:
+                    fields = dict(line.split() for line in file if line.strip())
+                return int(fields["usage_usec"]) / 1e6
+            if "cpuacct" in self.directories:
+                with open(os.path.join(self.directories["cpuacct"], "cpuacct.usage")) as file:
+                    return int(file.read()) / 1e9
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
+
     def kill(self) -> None:
         """Kills every process in the leaf (those that left the call's process group included)."""
         for directory in self.directories.values():
@@ -169,6 +191,33 @@ class Leaf:
                 pass
 
 
+class CpuWatch:
+    """Kills every process of `leaf` once they have used more than `seconds` of CPU time
+    together, checked every `interval` seconds by a thread of its own until `stop()`."""
+
+    def __init__(self, leaf: Leaf, seconds: float, interval: float = 0.1) -> None:
+        self.exceeded = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, args=(leaf, seconds, interval), name="run_python-cpu", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, leaf: Leaf, seconds: float, interval: float) -> None:
+        while not self._stop.wait(interval):
+            used = leaf.cpu_seconds()
+            if used is None:
+                return
+            if used > seconds:
+                self.exceeded = True
+                leaf.kill()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def find() -> Hierarchy:
     """Where this process can make a leaf per call, checked by making and removing one.
 
@@ -202,8 +251,10 @@ def find() -> Hierarchy:
     else:
         reasons.append("cgroup v2 is not mounted")
     if all(c in mounts["v1"] and c in own for c in ("memory", "pids")):
+        # and the CPU time of the whole call, where the cpuacct hierarchy is mounted
+        controllers = [c for c in ("memory", "pids", "cpuacct") if c in mounts["v1"] and c in own]
         hierarchy = Hierarchy(
-            1, {c: os.path.normpath(mounts["v1"][c] + own[c]) for c in ("memory", "pids")}
+            1, {c: os.path.normpath(mounts["v1"][c] + own[c]) for c in controllers}
         )
         reason = _try(hierarchy)
         if reason is None:
@@ -240,7 +291,7 @@ def _cgroup_mounts() -> dict[str, dict[str, str]]:
         if fstype == "cgroup2":
             mounts["v2"].setdefault("", fields[4])
         elif fstype == "cgroup":
-            for controller in ("memory", "pids"):
+            for controller in ("memory", "pids", "cpuacct"):
                 if controller in options:
                     mounts["v1"].setdefault(controller, fields[4])
     return mounts

@@ -8,8 +8,10 @@ fresh tmpfs holding read-only bind mounts of the system directories (`/usr` and 
 `/dev/{null,zero,random,urandom}`, a small `/dev/shm`, a new `/proc`, and a writable tmpfs `/work`
 (its working directory, `/tmp` points to it; both tmpfs mounts have an inode cap); the host's root
 is unmounted after `pivot_root`, so nothing else of the host (home directories, `/etc`, `/tmp`,
-the project) exists for it. The network namespace
-has only a loopback interface, down. When all of it dies (the program exits, or is killed), the
+the project) exists for it. The read-only binds are read-only all the way down (a mount below them
+too); `/proc` is read-only, with `/proc/cmdline` and `/proc/key-users` masked, and a cgroup
+namespace shows the call's cgroup as `/`. The network namespace has only a loopback interface,
+down. When all of it dies (the program exits, or is killed), the
 kernel kills every process left in its PID namespace.
 
 - Run by an unprivileged user, the namespaces are made in a new user namespace whose root is the
@@ -44,8 +46,10 @@ refused rather than unreachable), and `/` is remounted read-only after the setup
 **Process** (the fallback, when namespaces cannot be made, e.g. in a Docker container with the
 default seccomp profile, or under Ubuntu's AppArmor restriction of unprivileged user namespaces
 without `bwrap`): a separate process in a session of its own, with the same resource limits, an
-empty environment and a temporary working directory, but the host's file system and network as the
-user running the trainer sees them.
+empty environment and a temporary working directory, but the host's file system and network as its
+uid sees them. Run by root, the launcher moves into an IPC namespace where it can make one and runs
+the program as a uid of its own where other users can run the interpreter
+(`others_can_run_interpreter`), else as root without capabilities.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import sys
 
 NAMESPACES = "namespaces"
@@ -110,7 +115,11 @@ for device in null zero random urandom; do
   mount --bind "/dev/$device" "$root/dev/$device"
 done
 ln -s /proc/self/fd "$root/dev/fd"
-mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
+# read-only: no process of the program can lower its oom_score_adj or set its loginuid
+mount -t proc -o ro,nosuid,nodev,noexec proc "$root/proc"
+for name in $MASKED_PROC; do
+  mount --bind /dev/null "$root/proc/$name"
+done
 mount -t tmpfs -o "mode=0755,size=${size}m,nr_inodes=$inodes,nosuid,nodev" work "$root/work"
 mount -t tmpfs -o "mode=1777,size=${shm}m,nr_inodes=$shm_inodes,nosuid,nodev" shm "$root/dev/shm"
 cp "$program" "$root/work/main.py"
@@ -123,6 +132,15 @@ pivot_root . old
 umount -l /old
 rmdir /old
 mount -o remount,bind,ro /
+# every mount below the read-only binds too (a writable mount of the host's below /usr): a bind
+# remount acts on one mount only
+targets=$(while read -r _ _ _ _ target _; do echo "$target"; done </proc/self/mountinfo)
+for target in $targets; do
+  case $target in
+    / | /work | /dev/shm | /dev/* | /proc | /proc/*) ;;
+    *) mount -o remount,bind,ro "$target" ;;
+  esac
+done
 cd /work
 unset OLDPWD
 # Not `exec`: this shell stays PID 1 of the namespace, so the program's signals act as usual
@@ -134,6 +152,11 @@ else
   setpriv --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
 fi
 """
+
+# Files of the program's `/proc` that tell of the host rather than of the sandbox: its boot
+# arguments, and the uids (other calls') holding keys; they read as empty (`/dev/null` over them).
+MASKED_PROC = ("cmdline", "key-users")
+SETUP_SCRIPT = SETUP_SCRIPT.replace("$MASKED_PROC", " ".join(MASKED_PROC))
 
 _TOOLS = ("unshare", "mount", "umount", "pivot_root", "setpriv")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -187,7 +210,8 @@ def namespace_command(
     `as_root`: whether to run as root (mounts as root, the program as `uid`, by default a fresh
     one of `SANDBOX_UIDS`) or in a user namespace; by default, whether this process is root."""
     as_root = os.geteuid() == 0 if as_root is None else as_root
-    unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork"]
+    unshare.append("--kill-child")
     if not as_root:
         # The user namespace first, in a process of its own: making it resets the parent-death
         # signal (the credentials change), which `setpriv` then sets again for the rest.
@@ -263,6 +287,9 @@ def bubblewrap_command(
     for device in ("null", "zero", "random", "urandom"):
         arguments += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
     arguments += ["--symlink", "/proc/self/fd", "/dev/fd", "--proc", "/proc"]
+    for name in MASKED_PROC:
+        arguments += ["--dev-bind", "/dev/null", f"/proc/{name}"]  # --ro-bind: nodev
+    arguments += ["--remount-ro", "/proc"]
     arguments += ["--perms", "1777", "--size", str(SHM_MB * 1024**2), "--tmpfs", "/dev/shm"]
     # mode 0777: as root, the program's uid does not own the tmpfs
     arguments += ["--perms", "0777", "--size", str(work_mb * 1024**2), "--tmpfs", "/work"]
@@ -297,6 +324,50 @@ class UidReservation:
 
     def release(self) -> None:
         self._holder.close()
+
+
+def others_can_run_interpreter() -> bool:
+    """Whether a uid of no group (the process fallback's, run by root) can run `interpreter()`
+    with its standard library: every folder above them searchable by others, the library's own
+    folder readable (not so for an interpreter installed under root's home, mode 0700)."""
+    library = os.path.dirname(os.path.realpath(os.__file__))
+    for path in (os.path.dirname(interpreter()), library):
+        while True:
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                return False
+            if not mode & stat.S_IXOTH or (path == library and not mode & stat.S_IROTH):
+                return False
+            if path == "/":
+                break
+            path = os.path.dirname(path)
+    return True
+
+
+# IPC_RMID for each kind of SysV object: (its /proc/sysvipc file, its id column, how to remove it)
+_SYSV = (("shm", "shmid", "shmctl"), ("sem", "semid", "semctl"), ("msg", "msqid", "msgctl"))
+
+
+def remove_ipc(uid: int) -> None:
+    """Removes the SysV shared memory segments, semaphores and message queues that `uid` owns in
+    this IPC namespace (those of a program run without an IPC namespace of its own)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, id_column, call in _SYSV:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as file:
+                header, *rows = [line.split() for line in file]
+        except (OSError, ValueError):
+            continue
+        for row in rows:
+            fields = dict(zip(header, row))
+            if str(uid) in (fields.get("uid"), fields.get("cuid")):  # owner, or creator
+                if call == "semctl":
+                    libc.semctl(int(fields[id_column]), 0, 0, None)  # IPC_RMID
+                else:
+                    getattr(libc, call)(int(fields[id_column]), 0, None)
 
 
 def _random_uid() -> int:

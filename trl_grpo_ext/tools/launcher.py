@@ -2,31 +2,55 @@
 
 In order, before the program's first line:
 1. joins a new, empty session keyring, so no key of the trainer's session (or, through it, of its
-   user's keyring) can be reached even where no seccomp filter is loaded;
+   user's keyring) can be reached even where no seccomp filter is loaded; in the process fallback
+   run by root, also an IPC namespace (where it can make one) and a uid of its own, with no
+   capability;
 2. sets the resource limits (inside the namespaces, where `RLIMIT_NPROC` counts the program's
    processes only);
 3. loads the seccomp filter (`seccomp.compiled_filter`), after `PR_SET_NO_NEW_PRIVS`; if the
    kernel refuses it, the call ends with an error rather than running unfiltered;
-4. forks: the child, killed if the launcher dies (a parent-death signal: the launcher dies with
-   the trainer), runs `/work/main.py` as `__main__` (a traceback shows the program's frames
-   only); the parent waits for it and writes its exit code, or minus the signal that killed it, to
-   the status descriptor. A shell or `bwrap` between the trainer and the program reports a death by
-   signal N as the exit status 128 + N, the same as `sys.exit(128 + N)`; the status tells them
-   apart.
+4. makes itself not dumpable (`PR_SET_DUMPABLE` 0): a process of the same uid can then neither
+   open its `/proc/<pid>/fd` nor trace it (and the filter refuses `pidfd_getfd`), so the
+   program cannot take the status pipe's writing end;
+5. forks: the child, killed if the launcher dies (a parent-death signal: the launcher dies with
+   the trainer), closes every descriptor but 0-2 and runs `/work/main.py` as `__main__` (a
+   traceback shows the program's frames only); the parent waits for it and writes its exit code,
+   or minus the signal that killed it, to the status pipe, which the trainer reads. A shell or
+   `bwrap` between the trainer and the program reports a death by signal N as the exit status
+   128 + N, the same as `sys.exit(128 + N)`; the status tells them apart, and its absence says
+   that the launcher itself was killed.
 """
 
 from __future__ import annotations
+
+import os
 
 # Exit status of the launcher when the sandbox could not be set up (no program ran).
 SETUP_FAILED = 125
 
 SOURCE = """\
 import ctypes, os, resource, sys
-cpu, memory, processes, file_size, files, status, keyctl = map(int, sys.argv[1:8])
-bpf = bytes.fromhex(sys.argv[8])
+cpu, memory, processes, file_size, files, status, keyctl, uid = map(int, sys.argv[1:9])
+bpf = bytes.fromhex(sys.argv[9])
 libc = ctypes.CDLL(None, use_errno=True)
 if keyctl >= 0:  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous session keyring
     libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), ctypes.c_void_p(0))
+if uid != -1:  # the process fallback run by root: an IPC namespace where it can make one,
+    libc.unshare(0x08000000)  # CLONE_NEWIPC; where refused, the trainer removes its objects
+    try:  # its loginuid, where unset, so that no process of it can set it
+        with open("/proc/self/loginuid", "w") as file:
+            file.write(str(max(uid, 0)))
+    except OSError:
+        pass
+    if uid >= 0:  # a uid of its own
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    else:  # root, where others cannot run the interpreter: without capabilities, even by exec
+        for capability in range(64):
+            libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        libc.capset(header, (ctypes.c_uint32 * 6)())
 for limit, soft, hard in (
     (resource.RLIMIT_CPU, cpu, cpu + 1),
     (resource.RLIMIT_AS, memory, memory),
@@ -48,10 +72,12 @@ if bpf:
         )
         os._exit(SETUP_FAILED)
 del resource, bpf
+libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its descriptors are out of the program's reach
 # SIGKILL when its parent dies: the trainer itself in the process fallback (also where no
 # `setpriv` set it), else the sandbox's first process, which dies with the trainer
 libc.prctl(1, 9, 0, 0, 0)
 launcher = os.getpid()
+os.write(status, b"+")  # the program starts: what comes next is its status, or nothing if killed
 child = os.fork()
 if child:
     while True:
@@ -64,7 +90,7 @@ if child:
             pass
     os.write(status, str(code).encode())
     os._exit(0)
-os.close(status)
+os.closerange(3, 1 << 20)  # the status pipe, and whatever else was inherited
 libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the launcher dies
 if os.getppid() != launcher:
     os._exit(0)
@@ -89,14 +115,19 @@ except BaseException as error:
 """.replace("SETUP_FAILED", str(SETUP_FAILED))
 
 
-def read_status(path: str) -> int | None:
-    """The program's exit code (minus the signal's number when a signal killed it) written by the
-    launcher, or None when it wrote none (it was killed itself, or never started)."""
+def read_status(pipe: int) -> tuple[bool, int | None]:
+    """What the launcher wrote to the status pipe (read end `pipe`, read without blocking):
+    whether the program started, and its exit code (minus the signal's number when a signal
+    killed it), None when the launcher wrote none (it never started, or was killed)."""
+    os.set_blocking(pipe, False)
     try:
-        with open(path, "rb") as file:
-            return int(file.read())
-    except (OSError, ValueError):
-        return None
+        data = os.read(pipe, 64)
+    except OSError:
+        return False, None
+    try:
+        return data.startswith(b"+"), int(data[1:])
+    except ValueError:
+        return data.startswith(b"+"), None
 
 
 def is_text(code) -> str | None:

@@ -5,8 +5,11 @@ only, no site-packages, no `PYTHON*` variables), isolated by Linux namespaces (m
 or by bubblewrap) where they can be made and limited by `setrlimit` in every case (see
 `isolation` for exactly what each mechanism hides). What comes back is a string for the model,
 never an exception: the program's stdout and stderr together (cut at `max_output_bytes`), its
-traceback when it fails, or a short error when it runs past a limit. When the call returns, every
-process of the program has been killed and its temporary files removed. Memory and processes are
+traceback when it fails, or a short error when it runs past a limit, as a `ProgramResult`: the
+trainer's notes on lines starting with `[run_python]`, which no line of the program's output can
+pass for, and fields (`exit_status`, `signal`, `limit`, `failed`...) that the program cannot
+forge. When the call returns, every process of the program has been killed and its temporary
+files removed. Memory and processes are
 bounded for the call as a whole by a cgroup of its own where the trainer can make one (`cgroups`),
 a seccomp filter closes kernel surface a math tool has no use for (`seccomp`), and the sandbox dies
 with the trainer (a parent-death signal; what a killed trainer leaves is removed at the next start).
@@ -31,6 +34,7 @@ import warnings
 
 from . import bounds, cgroups, isolation, launcher, seccomp
 from .isolation import BUBBLEWRAP, MECHANISMS, NAMESPACES, PROCESS
+from .results import NOTE, ProgramResult, escape_output
 
 _FILE_SIZE = 16 * 1024**2  # the largest file the program may write
 _OPEN_FILES = 64
@@ -63,7 +67,10 @@ class PythonSandbox:
 
     Args:
         cpu_seconds (`int`, *optional*, defaults to `10`):
-            CPU time of the program (`RLIMIT_CPU`); past it the kernel kills it.
+            CPU time of each process of the program (`RLIMIT_CPU`, past which the kernel kills
+            it) and, where the call's cgroup accounts for CPU time (v2, or v1's `cpuacct`), of
+            all its processes together (checked every 0.1 s; past it the call is stopped).
+            Without such a cgroup a call's CPU time is bounded by `wall_seconds` alone.
         wall_seconds (`float`, *optional*, defaults to `10.0`):
             Wall-clock time of a call, from start to finish; past it every process of the program
             is killed. Keep it below the trainer's `tool_call_timeout`.
@@ -146,13 +153,15 @@ class PythonSandbox:
     def __call__(self, code: str) -> str:
         error = launcher.is_text(code)
         if error:
-            return error
+            return _failure(error)
         mechanism = self.mechanism
         with contextlib.ExitStack() as cleanup:
             try:
                 call = self._prepare(mechanism, code, cleanup)
             except OSError as error:
-                return f"Error: the sandbox could not be set up ({error}); no program ran."
+                return _failure(
+                    f"Error: the sandbox could not be set up ({error}); no program ran."
+                )
             return self._run(call)
 
     async def async_call(self, code: str) -> str:
@@ -161,13 +170,15 @@ class PythonSandbox:
         Cancelled (by a tool timeout), it kills the program and removes its files first."""
         error = launcher.is_text(code)
         if error:
-            return error
+            return _failure(error)
         mechanism = self.mechanism  # found out once, by running a probe (blocking)
         with contextlib.ExitStack() as cleanup:
             try:
                 call = self._prepare(mechanism, code, cleanup)
             except OSError as error:
-                return f"Error: the sandbox could not be set up ({error}); no program ran."
+                return _failure(
+                    f"Error: the sandbox could not be set up ({error}); no program ran."
+                )
             return await self._run_async(call)
 
     def _prepare(self, mechanism: str, code: str, cleanup: contextlib.ExitStack) -> _Call:
@@ -178,14 +189,20 @@ class PythonSandbox:
         scratch = tempfile.mkdtemp(prefix=f"{cgroups.PREFIX}{cgroups.owner()}-")
         cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
         program = _write_program(scratch, code)
-        source = cleanup.enter_context(open(program, "rb"))  # bwrap copies it from this descriptor
-        status_path = os.path.join(scratch, "status")
-        status = cleanup.enter_context(open(status_path, "wb"))
-        uid = None
-        if os.geteuid() == 0 and mechanism != PROCESS:
+        # the launcher's status comes back over a pipe: nothing of the host is open for writing
+        # in the sandbox
+        status = _StatusPipe()
+        cleanup.callback(status.close)
+        uid = None  # a uid of its own for a root trainer's program, which RLIMIT_NPROC counts
+        if os.geteuid() == 0 and (mechanism != PROCESS or isolation.others_can_run_interpreter()):
             reservation = isolation.UidReservation()
             cleanup.callback(reservation.release)
             uid = reservation.uid
+            if mechanism == PROCESS:  # the launcher switches to it, in the scratch folder
+                os.chown(scratch, uid, uid)
+                os.chown(program, uid, uid)
+                # SysV objects of a program without an IPC namespace, which outlive it
+                cleanup.callback(isolation.remove_ipc, uid)
         helpers = 0 if mechanism == PROCESS else 2  # unshare and its shell; bwrap's two
         hierarchy, _ = _call_cgroups()
         leaf = None
@@ -198,17 +215,27 @@ class PythonSandbox:
         if os.geteuid() != 0:
             nproc += {NAMESPACES: 2, BUBBLEWRAP: 1, PROCESS: 0}[mechanism]
         limits = [self.cpu_seconds, self.memory_mb * 1024**2, nproc, _FILE_SIZE, _OPEN_FILES]
-        limits += [status.fileno(), seccomp.syscall_number("keyctl")]
+        limits += [status.write, seccomp.syscall_number("keyctl")]
+        # the process fallback run by root: the launcher switches to `uid`, or (-2) stays root
+        # without capabilities
+        fallback_uid = -1
+        if mechanism == PROCESS and os.geteuid() == 0:
+            fallback_uid = -2 if uid is None else uid
+        limits.append(fallback_uid)
         python = [isolation.interpreter(), "-I", "-S", "-c", launcher.SOURCE, *map(str, limits)]
         python.append(_seccomp_filter().hex())
+        passed = [status.write]
         if mechanism == PROCESS:
             command = python
         elif mechanism == BUBBLEWRAP:
+            source = cleanup.enter_context(open(program, "rb"))  # bwrap copies it from here
+            passed.append(source.fileno())
             command = isolation.bubblewrap_command(source.fileno(), self.work_mb, python, uid=uid)
         else:
-            root = os.path.join(scratch, "root")
-            os.mkdir(root)
-            command = isolation.namespace_command(root, program, self.work_mb, python, uid=uid)
+            os.mkdir(os.path.join(scratch, "root"))
+            # paths relative to the scratch folder (its working directory), which the program
+            # would otherwise read in the setup's command line
+            command = isolation.namespace_command("root", "main.py", self.work_mb, python, uid=uid)
         command = isolation.first_process(command, leaf.procs_files if leaf else [])
         environment = isolation.environment()
         if mechanism == PROCESS:
@@ -217,16 +244,19 @@ class PythonSandbox:
             "stdin": subprocess.DEVNULL,
             "stdout": subprocess.PIPE,
             "stderr": subprocess.STDOUT,
-            "cwd": scratch,
+            # bwrap reads the program from its descriptor: its own working directory, which its
+            # PID 1 keeps and a program of the same user may read, need not be the scratch folder
+            "cwd": "/" if mechanism == BUBBLEWRAP else scratch,
             "env": environment,
-            "pass_fds": (status.fileno(), source.fileno()),
+            "pass_fds": passed,
             "start_new_session": True,  # its own process group, killed as a whole
         }
-        return _Call(command, popen, status, status_path, leaf)
+        return _Call(command, popen, status, leaf)
 
     async def _run_async(self, call: _Call) -> str:
         process = await asyncio.create_subprocess_exec(*call.command, **call.popen)
-        call.status.close()  # the launcher's copy is the only one left
+        call.status.close_write()  # the launcher's copy is the only one left
+        call.watch_cpu(self.cpu_seconds)
         output = _Output(self.max_output_bytes)
         reader = asyncio.ensure_future(output.read_async(process.stdout))
         timed_out = False
@@ -242,11 +272,13 @@ class PythonSandbox:
             _, pending = await asyncio.wait({reader}, timeout=1.0)
             for task in pending:
                 task.cancel()
-        return self._report(output, process.returncode, timed_out, call)
+            call.stop_watching()
+        return self._report(output, timed_out, call)
 
     def _run(self, call: _Call) -> str:
         process = subprocess.Popen(call.command, **call.popen)
-        call.status.close()  # the launcher's copy is the only one left
+        call.status.close_write()  # the launcher's copy is the only one left
+        call.watch_cpu(self.cpu_seconds)
         output = _Output(self.max_output_bytes)
         reader = threading.Thread(target=output.read, args=(process.stdout,), daemon=True)
         reader.start()
@@ -272,52 +304,74 @@ class PythonSandbox:
             reader.join(timeout=1.0)
             if not reader.is_alive():
                 process.stdout.close()
-        return self._report(output, process.returncode, timed_out, call)
+            call.stop_watching()
+        return self._report(output, timed_out, call)
 
-    def _report(self, output: _Output, returncode: int, timed_out: bool, call: _Call) -> str:
-        text = output.text()
-        # the launcher's status is exact; without it (the launcher was killed, or never ran), a
-        # shell or bwrap in between reports a death by signal N as 128 + N
-        status = launcher.read_status(call.status_path)
-        if status is None and returncode > 128 and returncode != launcher.SETUP_FAILED:
-            status = 128 - returncode
-        elif status is None:
-            status = returncode
+    def _report(self, output: _Output, timed_out: bool, call: _Call) -> ProgramResult:
+        """The call's result, from what the trainer saw: the launcher's status pipe, the wall
+        clock and the cgroup; nothing the program printed decides it."""
+        started, status = launcher.read_status(call.status.read)
+        memory = call.leaf is not None and call.leaf.oom_killed()
+        facts = {}
         if timed_out:
+            facts["limit"] = "wall_seconds"
             note = (
                 f"Error: the program ran past the time limit of {self.wall_seconds:g} s and was "
                 "stopped."
             )
-        elif status is None or returncode == launcher.SETUP_FAILED:
+        elif call.cpu_watch is not None and call.cpu_watch.exceeded:
+            facts["limit"] = "cpu_seconds"
+            note = (
+                f"Error: the program ran past the CPU time limit of {self.cpu_seconds} s (all its "
+                "processes together) and was stopped."
+            )
+        elif not started:
             note = "Error: the sandbox could not be set up; no program ran."
-        elif status < 0:
-            memory = call.leaf is not None and call.leaf.oom_killed()
-            note = f"Error: the program was killed by {_signal_name(-status)}"
-            note += f"{self._cause(-status, memory)}."
-        elif status not in (0, 1):  # 1: an uncaught exception, whose traceback is the text
-            note = f"Exit status {status}."
+        elif status is None and not memory:
+            note = (
+                "Error: the sandbox's launcher was killed before it reported the program's end; "
+                "the program was stopped."
+            )
+        elif status is not None and status < 0:
+            facts["signal"] = _signal_name(-status)
+            facts["limit"] = self._limit(-status, memory)
+            note = f"Error: the program was killed by {facts['signal']}"
+            note += f"{self._cause(facts['limit'])}."
         else:
-            note = ""
-        if note == "" and call.leaf is not None and call.leaf.oom_killed():
+            facts["exit_status"] = status
+            # 1: an uncaught exception, whose traceback is the text
+            note = "" if status in (0, 1, None) else f"Exit status {status}."
+        if memory and "limit" not in facts:
+            facts["limit"] = "memory_mb"
             note = (
                 "Error: a process of the program was killed at the memory limit of "
                 f"{self.memory_mb} MiB for the whole call."
             )
+        text = output.text()
+        notes = [note] if note else []
         if output.dropped:
-            text += (
-                f"\n[output truncated: {output.total} bytes, the first {self.max_output_bytes} "
-                "shown]"
+            notes.insert(
+                0,
+                f"output truncated: {output.total} bytes, the first {self.max_output_bytes} shown",
             )
-        return "\n".join(part for part in (text, note) if part) or "(no output)"
+        if not text and not notes:
+            notes = ["(no output)"]
+        lines = [text] if text else []
+        lines += [f"{NOTE} {line}" for line in notes]
+        return ProgramResult("\n".join(lines), output=text, truncated=output.dropped, **facts)
 
-    def _cause(self, number: int, memory: bool) -> str:
+    def _limit(self, number: int, memory: bool) -> str | None:
         if memory:
-            return f" (memory limit of {self.memory_mb} MiB for the whole call)"
-        if number == signal.SIGXCPU:
-            return f" (CPU time limit of {self.cpu_seconds} s)"
-        if number == signal.SIGXFSZ:
-            return f" (file size limit of {_FILE_SIZE // 1024**2} MiB)"
-        return ""
+            return "memory_mb"
+        return {signal.SIGXCPU: "cpu_seconds", signal.SIGXFSZ: "file_size"}.get(number)
+
+    def _cause(self, limit: str | None) -> str:
+        return {
+            "memory_mb": f" (memory limit of {self.memory_mb} MiB for the whole call)",
+            "cpu_seconds": f" (CPU time limit of {self.cpu_seconds} s)",
+            "file_size": f" (file size limit of {_FILE_SIZE // 1024**2} MiB)",
+            None: "",
+        }[limit]
 
     def _detect(self) -> str:
         """The first mechanism of namespaces and bubblewrap in which a trivial program runs here,
@@ -342,31 +396,53 @@ class PythonSandbox:
         return PROCESS
 
     def _probe(self, mechanism: str) -> str:
-        """What `print(6 * 7)` gives back under `mechanism`."""
+        """What `print(6 * 7)` gives back under `mechanism`: its output (the setup's errors when
+        it fails), else the trainer's note."""
         with contextlib.ExitStack() as cleanup:
             try:
-                return self._run(self._prepare(mechanism, "print(6 * 7)", cleanup))
+                result = self._run(self._prepare(mechanism, "print(6 * 7)", cleanup))
             except OSError as error:
                 return str(error)
+        return result.output or result
 
 
 def fallback_warning(reason: str) -> str:
     """What the process fallback isolates, and what it does not."""
-    processes = (
-        "the number of processes is NOT limited (this process runs as root, which RLIMIT_NPROC "
-        "exempts)"
-        if os.geteuid() == 0
-        else "no new process can be started (RLIMIT_NPROC counts all of this user's processes)"
-    )
+    if os.geteuid() == 0 and isolation.others_can_run_interpreter():
+        who = (
+            "As this process runs as root, each program runs as a uid of its own without "
+            "capabilities (RLIMIT_NPROC and the call's cgroup hold its processes; it cannot leave "
+            "the cgroup or signal this process), in an IPC namespace of its own where one can be "
+            "made (else its SysV objects are removed after the call). NOT bounded: it can read "
+            "whatever any user may read on this host, write in world-writable folders (/tmp, "
+            "/dev/shm: such files outlive the call), reach the network and abstract unix sockets, "
+            "lower the oom_score_adj of a process it starts, and see the host's /proc"
+        )
+    elif os.geteuid() == 0:
+        who = (
+            f"This process runs as root and other users cannot run its interpreter "
+            f"({isolation.interpreter()}, e.g. under root's home), so programs run as root "
+            "without capabilities, in an IPC namespace of their own where one can be made. NOT "
+            "bounded: the number of processes (RLIMIT_NPROC exempts root); a program can move "
+            "itself out of the call's cgroup, raise its pids.max, leave a process running after "
+            "the call, read and write root's files, signal root's processes (this one included), "
+            "reach the network, lower its oom_score_adj, and see the host's /proc. Use an "
+            "interpreter that other users can run (e.g. the system's, or one under /opt)"
+        )
+    else:
+        who = (
+            "no new process can be started (RLIMIT_NPROC counts all of this user's processes). "
+            "They can read and write whatever this user can, reach the network, and signal this "
+            "user's processes"
+        )
     return (
         f"run_python cannot isolate programs with Linux namespaces: {reason}. Programs run in a "
         "separate process with CPU, memory, file-size and open-file limits, an empty environment "
-        "and a temporary working directory, killed after the wall-clock limit; "
-        f"{processes}. They can read and write whatever this user can, reach the network, and "
-        "signal this user's processes. For isolation, run the trainer where unprivileged user "
-        "namespaces are allowed (`unshare --user --map-root-user true` succeeds), or install "
-        "bubblewrap (`apt install bubblewrap`; on Ubuntu 23.10 and later its AppArmor profile lets "
-        "`bwrap` make them where `unshare` may not)."
+        f"and a temporary working directory, killed after the wall-clock limit. {who}. For "
+        "isolation, run the trainer where unprivileged user namespaces are allowed (`unshare "
+        "--user --map-root-user true` succeeds), or install bubblewrap (`apt install "
+        "bubblewrap`; on Ubuntu 23.10 and later its AppArmor profile lets `bwrap` make them where "
+        "`unshare` may not)."
     )
 
 
@@ -395,7 +471,14 @@ class _Output:
         return self.total > self.limit
 
     def text(self) -> str:
-        return bytes(self.kept).decode("utf-8", errors="replace").rstrip("\n")
+        """What was kept, as text: control characters and lines that could pass for the
+        trainer's notes escaped (`results.escape_output`)."""
+        return escape_output(bytes(self.kept).decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def _failure(note: str) -> ProgramResult:
+    """The result of a call that ran no program."""
+    return ProgramResult(f"{NOTE} {note}")
 
 
 def _write_program(scratch: str, code: str) -> str:
@@ -424,13 +507,41 @@ def _process_environment(cwd: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
 
 
-class _Call:
-    """One call, prepared: its command and `Popen` arguments, the launcher's status file (open for
-    the launcher to inherit) and the call's cgroup (None where there is none)."""
+class _StatusPipe:
+    """The pipe the launcher writes the program's status to; the trainer keeps the read end."""
 
-    def __init__(self, command, popen, status, status_path, leaf) -> None:
-        self.command, self.popen, self.leaf = command, popen, leaf
-        self.status, self.status_path = status, status_path
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+
+    def close_write(self) -> None:
+        if self.write >= 0:
+            os.close(self.write)
+            self.write = -1
+
+    def close(self) -> None:
+        self.close_write()
+        if self.read >= 0:
+            os.close(self.read)
+            self.read = -1
+
+
+class _Call:
+    """One call, prepared: its command and `Popen` arguments, the launcher's status pipe and the
+    call's cgroup (None where there is none)."""
+
+    def __init__(self, command, popen, status: _StatusPipe, leaf) -> None:
+        self.command, self.popen, self.status, self.leaf = command, popen, status, leaf
+        self.cpu_watch: cgroups.CpuWatch | None = None
+
+    def watch_cpu(self, seconds: float) -> None:
+        """Kills the call once all its processes have used `seconds` of CPU time, where its
+        cgroup accounts for it (elsewhere `RLIMIT_CPU` bounds each process alone)."""
+        if self.leaf is not None and self.leaf.cpu_seconds() is not None:
+            self.cpu_watch = cgroups.CpuWatch(self.leaf, seconds)
+
+    def stop_watching(self) -> None:
+        if self.cpu_watch is not None:
+            self.cpu_watch.stop()
 
 
 def _call_cgroups() -> tuple[cgroups.Hierarchy | None, str]:

@@ -10,8 +10,10 @@ What the filter refuses (everything else is allowed):
   bluetooth... sockets (the network namespace already leaves inet with nowhere to go);
 - new namespaces (`unshare`, `setns`, `clone` with a `CLONE_NEW*` flag: `EPERM`; `clone3`, whose
   flags a filter cannot read: `ENOSYS`, so that the C library falls back to `clone`);
-- keyrings (`add_key`, `keyctl`, `request_key`), `io_uring`, `ptrace`, `bpf`, `perf_event_open`,
-  `userfaultfd`, mounts, and the administration calls below (`EPERM`).
+- keyrings (`add_key`, `keyctl`, `request_key`), `io_uring`, `ptrace`, `pidfd_open` and
+  `pidfd_getfd` (another process's descriptors), inotify and fanotify, `bpf`,
+  `perf_event_open`, `userfaultfd`, mounts, and the administration calls below (`EPERM`).
+`flock` fails with `ENOLCK` (POSIX record locks through `fcntl` stay: SQLite uses them).
 System calls of another architecture than the interpreter's (e.g. 32-bit calls from a 64-bit
 program) kill the program: libseccomp's default for a foreign architecture.
 """
@@ -28,6 +30,10 @@ REFUSED = (
     *("add_key", "keyctl", "request_key"),
     *("io_uring_setup", "io_uring_enter", "io_uring_register"),
     *("ptrace", "process_vm_readv", "process_vm_writev", "bpf", "perf_event_open", "userfaultfd"),
+    # a process's descriptors taken from it (its launcher's status pipe)
+    *("pidfd_open", "pidfd_getfd"),
+    # watching the host's files for activity (`/usr` is a bind of the host's)
+    *("inotify_init", "inotify_init1", "fanotify_init"),
     *("unshare", "setns"),
     *("mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "mount_setattr"),
     *("fsopen", "fsconfig", "fsmount", "fspick"),
@@ -77,6 +83,9 @@ def compiled_filter() -> bytes:
     for name in REFUSED:
         _add(rules, refuse, name)
     _add(rules, seccomp.ERRNO(errno.ENOSYS), "clone3")
+    # `flock` on a host file it can read (the interpreter, ld.so.cache) would block the host's
+    # processes that lock it; POSIX record locks (`fcntl`), which SQLite uses in /work, stay
+    _add(rules, seccomp.ERRNO(errno.ENOLCK), "flock")
     for flag in _CLONE_NAMESPACES:
         _add(rules, refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     no_family = seccomp.ERRNO(errno.EAFNOSUPPORT)
