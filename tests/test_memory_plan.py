@@ -13,7 +13,13 @@ from test_recipe import ROOT, parser, recipe
 
 from trl_grpo_ext import GroupRelativeConfig, MemoryPlan, plan_memory
 from trl_grpo_ext import memory_plan as memory_plan_module
-from trl_grpo_ext.memory_plan import adapter_parameters, check_fits, kv_cache_bytes
+from trl_grpo_ext.memory_plan import (
+    CPU_HEAP_FACTOR,
+    CPU_RUNTIME_BYTES,
+    adapter_parameters,
+    check_fits,
+    kv_cache_bytes,
+)
 from trl_grpo_ext.tiny import build_tiny_model
 
 TINY_CPU = os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml")
@@ -50,9 +56,9 @@ def test_kv_cache_bytes_are_layers_x_2_x_kv_heads_x_head_dim_x_rows_x_tokens_x_b
 
 
 def test_the_sampling_phase_holds_the_generation_batchs_kv_cache(tmp_path, tiny_config):
-    short = plan_memory(config(tmp_path), tiny_config, lora(), device="cpu")
+    short = plan_memory(config(tmp_path), tiny_config, lora(), device="cuda")
     longer = plan_memory(
-        config(tmp_path, max_completion_length=48), tiny_config, lora(), device="cpu"
+        config(tmp_path, max_completion_length=48), tiny_config, lora(), device="cuda"
     )
     # 32 more tokens in each of 8 rows; the prompts' pass and the step's logits stay as they are
     grown = kv_cache_bytes(tiny_config, 8, 80) - kv_cache_bytes(tiny_config, 8, 48)
@@ -77,24 +83,37 @@ def test_a_vision_language_model_counts_its_vision_tower_and_adapts_its_language
     peft_model = get_peft_model(model, language_model_lora(model, lora()))
     expected, total = peft_model.get_nb_trainable_parameters()
     assert adapter_parameters(model.config, lora()) == expected
-    plan = plan_memory(config(tmp_path), model.config, lora(), device="cpu")
+    plan = plan_memory(config(tmp_path), model.config, lora(), device="cuda")
     assert plan.phases["weights"] == 4 * total  # the vision tower's weights included
 
 
 def test_weights_and_optimizer_against_hand_computation(tmp_path, tiny_config):
     parameters = sum(p.numel() for p in build_tiny_model().parameters())
     adapter = adapter_parameters(tiny_config, lora())
-    plan = plan_memory(config(tmp_path), tiny_config, lora(), device="cpu")
+    plan = plan_memory(config(tmp_path), tiny_config, lora(), device="cuda")
     assert plan.phases["weights"] == 4 * parameters + 4 * adapter
     # + AdamW's two float32 states and a float32 gradient per adapter parameter
     assert plan.phases["optimizer"] == plan.phases["weights"] + 12 * adapter
-    full = plan_memory(config(tmp_path, beta=0.04), tiny_config, device="cpu")
+    full = plan_memory(config(tmp_path, beta=0.04), tiny_config, device="cuda")
     # full fine-tuning with beta > 0: a reference copy, and every parameter trained
     assert full.phases["weights"] == 2 * 4 * parameters
     assert full.phases["optimizer"] == full.phases["weights"] + 12 * parameters
     assert plan_memory(config(tmp_path, bf16=True), tiny_config, lora()).phases["weights"] == (
         2 * parameters + 4 * adapter  # PEFT keeps the adapter in float32
     )
+
+
+def test_on_a_cpu_the_plan_is_the_resident_set_with_the_laid_out_weights(tmp_path):
+    model = build_tiny_model(hidden_size=256, intermediate_size=1024)
+    # oneDNN lays out the float32 linear layers of at least 2**18 weights while sampling: the
+    # MLP's three of each layer (256 x 1024), not the attention's (256 x 256) or the head
+    laid_out = 4 * 2 * 3 * 256 * 1024
+    gpu = plan_memory(config(tmp_path), model.config, lora(), device="cuda")
+    cpu = plan_memory(config(tmp_path), model.config, lora(), device="cpu")
+    for name in ("weights", "optimizer", "logprobs", "backward"):
+        assert cpu.phases[name] == int(CPU_HEAP_FACTOR * gpu.phases[name] + CPU_RUNTIME_BYTES)
+    sampling = CPU_HEAP_FACTOR * (gpu.phases["sampling"] + laid_out) + CPU_RUNTIME_BYTES
+    assert cpu.phases["sampling"] == int(sampling)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ __all__ = [
     "kv_cache_bytes",
     "plan_memory",
     "recipe_memory_plan",
+    "recipe_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,15 @@ PHASES = ("weights", "optimizer", "sampling", "logprobs", "backward")
 # fine-tuning alike: the two norms' inputs and outputs (4 H), the attention's queries, keys,
 # values and output (2 q + 2 kv), the MLP's gate, up, activation and product (4 I).
 ACTIVATION_WIDTHS = {"hidden": 4, "intermediate": 4, "query": 2, "key_value": 2}
+# On a CPU the plan is of the resident set, which holds more than the tensors alive: glibc's heap
+# keeps blocks freed by one phase (the sampling's laid-out weights, the forward pass's
+# activations) in pieces that the next reuses only in part, and the libraries' first use
+# (threads, kernels, the optimizer's and data loader's objects) adds a fixed amount. Both are
+# calibrated on measured peaks (`benchmarks/memory_plan.py`, docs/benchmarks.md): the tiny model's
+# peak is the fixed part alone, SmolLM2-135M's (backward) and the Qwen2.5-0.5B shape's
+# (sampling) were 1.11x and 1.12x the tensors' sum above it.
+CPU_HEAP_FACTOR = 1.11
+CPU_RUNTIME_BYTES = 36 * 2**20
 # Prompt tokens assumed where `max_prompt_length` is None (the config's default limit).
 UNLIMITED_PROMPT_TOKENS = 512
 # Float32 logits buffers of one output-head chunk alive at once (`logprobs.py`).
@@ -205,6 +215,10 @@ def plan_memory(
         "logprobs": logprobs,
         "backward": backward,
     }
+    if device_type == "cpu":  # the resident set: the allocator's slack and the runtime's own
+        phases = {
+            name: CPU_HEAP_FACTOR * value + CPU_RUNTIME_BYTES for name, value in phases.items()
+        }
     phases = {name: int(value) for name, value in phases.items()}
     peak_phase = max(phases, key=phases.get)
     return MemoryPlan(
@@ -458,11 +472,9 @@ def check_fits(plan: MemoryPlan, free: int, ignore: bool = False) -> None:
     logger.warning("%s (ignored: --ignore_memory_plan)", message)
 
 
-def recipe_memory_plan(script_args, training_args, model_args, model_path: str) -> bool:
-    """The recipe's memory step, before any weights load: the plan of `model_path` with the
-    recipe's LoRA (`trl.get_peft_config`) and dtype. With `--plan` it is printed and True is
-    returned (the recipe stops); otherwise a plan that exceeds the device's free memory stops
-    the run (`check_fits`) unless `--ignore_memory_plan`. False: go on."""
+def recipe_plan(training_args, model_args, model, device, device_bytes: int | None = None):
+    """The plan of a recipe's run: `model` (its path, or config) with the recipe's LoRA
+    (`trl.get_peft_config(model_args)`) and dtype (`model_args.dtype`)."""
     import copy
 
     from trl import get_peft_config
@@ -473,8 +485,17 @@ def recipe_memory_plan(script_args, training_args, model_args, model_path: str) 
             **(training_args.model_init_kwargs or {}),
             "dtype": model_args.dtype,
         }
+    peft_config = get_peft_config(model_args)
+    return plan_memory(training_args, model, peft_config, device, device_bytes=device_bytes)
+
+
+def recipe_memory_plan(script_args, training_args, model_args, model_path: str) -> bool:
+    """The recipe's memory step, before any weights load (`recipe_plan`). With `--plan` the
+    plan is printed and True is returned (the recipe stops); otherwise a plan that exceeds the
+    device's free memory stops the run (`check_fits`) unless `--ignore_memory_plan`. False:
+    go on."""
     device = training_args.device
-    plan = plan_memory(training_args, model_path, get_peft_config(model_args), device=device)
+    plan = recipe_plan(training_args, model_args, model_path, device)
     if script_args.plan:
         print(plan.table(), flush=True)
         return True
