@@ -274,8 +274,8 @@ def fits(plan, card_gb: int) -> bool:
 
 def changes_to_fit(path: str, card_gb: int) -> tuple[dict, object] | None:
     """The first change, in this order, with which the preset fits: a smaller colocated vLLM
-    share; micro-batches halved (gradient accumulation doubled: the same batch); completions
-    halved. None if none does."""
+    share; micro-batches halved (gradient accumulation doubled: the same batch); gradient
+    accumulation halved (fewer completions a step); completions halved. None if none does."""
     import yaml
 
     with open(path) as handle:
@@ -295,6 +295,12 @@ def changes_to_fit(path: str, card_gb: int) -> tuple[dict, object] | None:
         candidates.append(
             {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
         )
+    accumulation = preset.get("gradient_accumulation_steps", 1)
+    candidates += [  # fewer completions a step: a smaller generation batch
+        {"gradient_accumulation_steps": accumulation // factor}
+        for factor in (2, 4)
+        if accumulation // factor >= 1
+    ]
     completion = preset["max_completion_length"]
     candidates += [{"max_completion_length": completion // factor} for factor in (2, 4)]
     for change in candidates:

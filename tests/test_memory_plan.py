@@ -103,6 +103,19 @@ def test_weights_and_optimizer_against_hand_computation(tmp_path, tiny_config):
     )
 
 
+def test_the_output_heads_chunk_is_three_float32_buffers_of_chunk_tokens_x_vocabulary(
+    tmp_path, tiny_config
+):
+    def backward(**fields):
+        plan = plan_memory(config(tmp_path, **fields), tiny_config, lora(), device="cuda")
+        return plan.phases["backward"]
+
+    vocabulary = tiny_config.vocab_size
+    # 8 x 16 completion positions: the default chunk (a 128 MiB buffer) holds all 128
+    assert backward() - backward(logprob_chunk_tokens=16) == 3 * (128 - 16) * vocabulary * 4
+    assert backward(logprob_chunk_tokens=1000) == backward()  # never more than the positions
+
+
 def test_on_a_cpu_the_plan_is_the_resident_set_with_the_laid_out_weights(tmp_path):
     model = build_tiny_model(hidden_size=256, intermediate_size=1024)
     # oneDNN lays out the float32 linear layers of at least 2**18 weights while sampling: the

@@ -192,8 +192,9 @@ def plan_memory(
     positions = micro * completion
     chunk = min(args.logprob_chunk_tokens or _default_chunk_tokens(shapes.vocab), positions)
     head_adapted = peft_config is not None and shapes.head_name in _targets(shapes, peft_config)
-    if head_adapted:
-        head = positions * shapes.vocab * size + CHUNK_BUFFERS * 4 * micro * shapes.vocab
+    if head_adapted:  # the logits (B, T, V), then float32 buffers of 4 rows at a time
+        rows_at_once = min(4, micro) * completion  # `token_logprobs`' default chunk_size
+        head = positions * shapes.vocab * size + CHUNK_BUFFERS * rows_at_once * shapes.vocab * 4
     else:
         head = CHUNK_BUFFERS * chunk * shapes.vocab * 4
     hidden_states = positions * shapes.hidden * size
