@@ -8,7 +8,9 @@ after, save, push. Everything algorithmic lives in the package (`trl_grpo_ext`);
 (`output_dir`) receives the adapter, `metrics.jsonl`, `reward_curve.png` and
 `before_after.md`. The last line printed is `held-out accuracy: <before> -> <after>`.
 `--resume_from_checkpoint true` (or a checkpoint folder) continues an interrupted run from its
-last complete checkpoint (`save_strategy: steps`).
+last complete checkpoint (`save_strategy: steps`). `--plan true` prints the memory each phase of
+the run will need and exits; a run the device cannot hold stops before loading any weights
+(`--ignore_memory_plan true` runs it anyway).
 """
 
 # ruff: noqa: E402
