@@ -237,3 +237,19 @@ def test_the_recipe_stops_before_loading_a_run_that_will_not_fit(
     # --ignore_memory_plan goes on to load the model
     with pytest.raises(AssertionError, match="loaded weights"):
         recipe.main(*recipe_arguments(tiny_model_dir, tmp_path, "--ignore_memory_plan", "true"))
+
+
+def test_the_preset_table_in_the_docs_is_the_one_the_plan_gives_today():
+    """docs/recipes.md's table of the GPU presets against 12, 16 and 24 GB cards is
+    `benchmarks/memory_plan.py --presets`: a change to the plan or a preset that moves it
+    fails here until the table is printed again."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import memory_plan as benchmark
+
+    with open(os.path.join(ROOT, "docs", "recipes.md")) as handle:
+        docs = handle.read()
+    table = benchmark.presets_table()
+    assert table in docs
+    assert len(table.splitlines()) == 2 + len(benchmark.gpu_presets())
