@@ -67,7 +67,7 @@ def test_the_sampling_phase_holds_the_generation_batchs_kv_cache(tmp_path, tiny_
 
 
 @pytest.mark.parametrize(
-    "targets", ["all-linear", ["q_proj", "v_proj"], r".*\.mlp\.(up|down)_proj"], ids=str
+    "targets", ["all-linear", ["q_proj", "v_proj"], r".*\.mlp\.(up|down)_proj", None], ids=str
 )
 def test_the_adapter_is_counted_as_peft_counts_it(targets):
     model = build_tiny_model()
@@ -75,15 +75,19 @@ def test_the_adapter_is_counted_as_peft_counts_it(targets):
     assert adapter_parameters(model.config, lora(target_modules=targets)) == expected
 
 
-def test_a_vision_language_model_counts_its_vision_tower_and_adapts_its_language_model(tmp_path):
+@pytest.mark.parametrize("targets", ["all-linear", None], ids=str)
+def test_a_vision_language_model_counts_its_vision_tower_and_adapts_its_language_model(
+    tmp_path, targets
+):
     from trl_grpo_ext.models import language_model_lora
     from trl_grpo_ext.tiny_vlm import build_tiny_vlm
 
     model = build_tiny_vlm()
-    peft_model = get_peft_model(model, language_model_lora(model, lora()))
+    adapter = lora(target_modules=targets)
+    peft_model = get_peft_model(model, language_model_lora(model, adapter))
     expected, total = peft_model.get_nb_trainable_parameters()
-    assert adapter_parameters(model.config, lora()) == expected
-    plan = plan_memory(config(tmp_path), model.config, lora(), device="cuda")
+    assert adapter_parameters(model.config, adapter) == expected
+    plan = plan_memory(config(tmp_path), model.config, adapter, device="cuda")
     assert plan.phases["weights"] == 4 * total  # the vision tower's weights included
 
 

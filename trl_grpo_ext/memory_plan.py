@@ -47,7 +47,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-PHASES = ("weights", "optimizer", "sampling", "logprobs", "backward")
 
 # Values a decoder layer keeps per token for its backward pass, in units of the hidden size H,
 # the MLP width I, the query width (heads x head dim) and the key/value width, with LoRA or full
@@ -106,6 +105,8 @@ class MemoryPlan:
 class _Shapes:
     """What the plan needs of a model: parameter counts and the layers' widths."""
 
+    model_type: str
+    vision_language: bool
     parameters: int  # all parameters (tied ones once)
     linear: dict[str, tuple[int, int]]  # name -> (in, out) of each nn.Linear
     decoder_linear: frozenset[str]  # those of the language model's decoder
@@ -315,6 +316,8 @@ def _shapes(config) -> _Shapes:
         if kind in ("full_attention", "sliding_attention", "chunked_attention")
     ]
     return _Shapes(
+        model_type=config.model_type,
+        vision_language=vision_language,
         parameters=sum(p.numel() for p in model.parameters()),
         linear=linear,
         decoder_linear=frozenset(
@@ -338,14 +341,19 @@ def _targets(shapes: _Shapes, peft_config) -> set[str]:
     """The linear layers `peft_config` adapts, matched as PEFT matches them: a string is a
     regular expression over the full name, a list names module suffixes; `"all-linear"` is
     the decoder's linear layers (all but the output head; a vision-language model's language
-    model only, as `models.language_model_lora` narrows it)."""
+    model only, as `models.language_model_lora` narrows it); None, PEFT's defaults for the
+    architecture (all-linear for a vision-language model, as `language_model_lora` does)."""
     targets = peft_config.target_modules
     names = list(shapes.linear)
-    if targets is None:
-        raise ValueError(
-            "peft_config.target_modules is None: name the adapted layers (e.g. 'all-linear') "
-            "so that the plan can count the adapter."
-        )
+    if targets is None:  # PEFT's defaults for the architecture; all-linear for a VLM's LM
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        targets = "all-linear" if shapes.vision_language else DEFAULTS.get(shapes.model_type)
+        if targets is None:
+            raise ValueError(
+                f"PEFT has no default target modules for model type {shapes.model_type!r}: set "
+                "the adapter's target_modules (e.g. 'all-linear')."
+            )
     if isinstance(targets, str):
         if targets == "all-linear":
             return set(shapes.decoder_linear) - {shapes.head_name}
