@@ -95,10 +95,6 @@ def main(script_args, training_args, model_args):
 
     # Tokenizer (with a chat template that has a tool format, when given), tools and model.
     model_path = resolve_model_path(script_args, model_args, training_args)
-    # Memory: each phase's peak predicted from the model's config, before any weights load;
-    # --plan prints the plan and stops; a run the device cannot hold stops here.
-    if recipe_memory_plan(script_args, training_args, model_args, model_path):
-        return None
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -108,6 +104,12 @@ def main(script_args, training_args, model_args):
     if script_args.tool_format:
         apply_tool_format(tokenizer, script_args.tool_format, tools)
     check_chat_template(tokenizer, script_args.system_prompt or None)
+    # Memory: each phase's peak predicted from the model's config and the prompts, before any
+    # weights load; --plan prints the plan and stops; a run the device cannot hold stops here.
+    if recipe_memory_plan(
+        script_args, training_args, model_args, model_path, tokenizer, train_dataset, tools
+    ):
+        return None
     quantization_config = get_quantization_config(model_args)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,

@@ -13,6 +13,7 @@ from test_recipe import ROOT, parser, recipe
 
 from trl_grpo_ext import GroupRelativeConfig, MemoryPlan, plan_memory
 from trl_grpo_ext import memory_plan as memory_plan_module
+from trl_grpo_ext.generation import PromptEncoder
 from trl_grpo_ext.memory_plan import (
     CPU_HEAP_FACTOR,
     CPU_RUNTIME_BYTES,
@@ -20,7 +21,7 @@ from trl_grpo_ext.memory_plan import (
     check_fits,
     kv_cache_bytes,
 )
-from trl_grpo_ext.tiny import build_tiny_model
+from trl_grpo_ext.tiny import build_tiny_model, build_tiny_tokenizer
 
 TINY_CPU = os.path.join(ROOT, "recipes", "configs", "tiny_cpu.yaml")
 
@@ -221,9 +222,20 @@ def test_the_recipes_plan_flag_prints_the_plan_and_loads_no_weights(
         raise AssertionError("--plan loaded the model's weights")
 
     monkeypatch.setattr(recipe.AutoModelForCausalLM, "from_pretrained", no_weights)
+    load, datasets = recipe.load_math_dataset, []
+
+    def recording(*args, **kwargs):  # the training dataset is the first one loaded
+        datasets.append(load(*args, **kwargs))
+        return datasets[-1]
+
+    monkeypatch.setattr(recipe, "load_math_dataset", recording)
     assert recipe.main(*recipe_arguments(tiny_model_dir, tmp_path, "--plan", "true")) is None
     printed = capsys.readouterr().out
     assert "memory plan (cpu, predicted;" in printed and "<- peak" in printed
+    # the training prompts as the trainer encodes them, not max_prompt_length's 512 tokens
+    _, prompt_mask = PromptEncoder(build_tiny_tokenizer()).encode(datasets[0]["prompt"])
+    assert f"{prompt_mask.shape[1]} prompt + 12 completion tokens" in printed
+    assert prompt_mask.shape[1] < 512
 
 
 def test_the_recipe_stops_before_loading_a_run_that_will_not_fit(

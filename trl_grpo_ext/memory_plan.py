@@ -39,6 +39,7 @@ __all__ = [
     "check_fits",
     "free_bytes",
     "kv_cache_bytes",
+    "longest_prompt",
     "plan_memory",
     "recipe_memory_plan",
     "recipe_plan",
@@ -481,30 +482,57 @@ def check_fits(plan: MemoryPlan, free: int, ignore: bool = False) -> None:
     logger.warning("%s (ignored: --ignore_memory_plan)", message)
 
 
-def recipe_plan(training_args, model_args, model, device, device_bytes: int | None = None):
+def longest_prompt(tokenizer, prompts: list, tools=None, chat_template_kwargs=None) -> int:
+    """Tokens of the longest of `prompts` as the trainer renders them (chat template, generation
+    prompt, the `tools`' schemas), for a plan of the prompts a run will see."""
+    from .generation.prompts import PromptEncoder, is_conversational
+
+    encoder = PromptEncoder(tokenizer, chat_template_kwargs=chat_template_kwargs)
+    texts = [encoder.render(prompt, tools) for prompt in prompts]
+    special = not is_conversational(prompts[0])
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"])
+
+
+def recipe_plan(
+    training_args,
+    model_args,
+    model,
+    device,
+    device_bytes: int | None = None,
+    prompt_tokens: int | None = None,
+):
     """The plan of a recipe's run: `model` (its path, or config) with the recipe's LoRA
-    (`trl.get_peft_config(model_args)`) and dtype (`model_args.dtype`)."""
+    (`trl.get_peft_config(model_args)`) and dtype (`model_args.dtype`), and prompts of
+    `prompt_tokens` (the dataset's longest, when known) within `max_prompt_length`."""
     import copy
 
     from trl import get_peft_config
 
-    if model_args.dtype not in (None, "auto"):
-        training_args = copy.copy(training_args)  # the recipe loads the model in model_args.dtype
+    training_args = copy.copy(training_args)  # what the run will see, for the plan alone
+    if model_args.dtype not in (None, "auto"):  # the recipe loads the model in this dtype
         training_args.model_init_kwargs = {
             **(training_args.model_init_kwargs or {}),
             "dtype": model_args.dtype,
         }
+    if prompt_tokens is not None:
+        limit = training_args.max_prompt_length
+        training_args.max_prompt_length = min(prompt_tokens, limit or prompt_tokens)
     peft_config = get_peft_config(model_args)
     return plan_memory(training_args, model, peft_config, device, device_bytes=device_bytes)
 
 
-def recipe_memory_plan(script_args, training_args, model_args, model_path: str) -> bool:
-    """The recipe's memory step, before any weights load (`recipe_plan`). With `--plan` the
-    plan is printed and True is returned (the recipe stops); otherwise a plan that exceeds the
-    device's free memory stops the run (`check_fits`) unless `--ignore_memory_plan`. False:
-    go on."""
+def recipe_memory_plan(
+    script_args, training_args, model_args, model_path: str, tokenizer, train_dataset, tools=None
+) -> bool:
+    """The recipe's memory step, before any weights load: the plan (`recipe_plan`) of the
+    training prompts as `tokenizer` renders them. With `--plan` it is printed and True is
+    returned (the recipe stops); otherwise a plan that exceeds the device's free memory stops
+    the run (`check_fits`) unless `--ignore_memory_plan`. False: go on."""
     device = training_args.device
-    plan = recipe_plan(training_args, model_args, model_path, device)
+    prompt_tokens = longest_prompt(
+        tokenizer, train_dataset["prompt"], tools, training_args.chat_template_kwargs
+    )
+    plan = recipe_plan(training_args, model_args, model_path, device, prompt_tokens=prompt_tokens)
     if script_args.plan:
         print(plan.table(), flush=True)
         return True
