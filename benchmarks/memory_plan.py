@@ -165,16 +165,14 @@ def _dataset(spec: dict):
 
 
 def longest_prompt(spec: dict) -> int:
-    """Tokens of the run's longest prompt, chat template and generation prompt included: the
-    run's `max_prompt_length` (none is cut; a batch's prompts are padded to its longest)."""
+    """Tokens of the run's longest prompt as the trainer renders it: the run's
+    `max_prompt_length` (none is cut; a batch's prompts are padded to its longest)."""
     from transformers import AutoTokenizer
 
+    from trl_grpo_ext.memory_plan import longest_prompt as rendered_length
+
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    rendered = [
-        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        for row in _dataset(spec)
-    ]
-    return max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
+    return rendered_length(tokenizer, _dataset(spec)["prompt"])
 
 
 def _resident_bytes() -> int:
