@@ -20,9 +20,12 @@ phases after the first optimizer step also hold the trainable parameters' AdamW 
   the head's chunk again and the gradients.
 
 On a CUDA device the bytes are those `torch.cuda.max_memory_allocated` counts; on a CPU, those
-above the process's resident memory after its imports, before the model loads. The per-token
-activations of a layer and the CPU's allocator overhead are calibrated against measured peaks
-(`benchmarks/memory_plan.py`, docs/benchmarks.md): a prediction, within about 15% there.
+above the process's resident memory after its imports, before the model loads. The activations
+a layer keeps are counted from its widths (`ACTIVATION_WIDTHS`), for every row of a micro-batch in
+full (packing a group's shared prompt, `logprobs.py`, saves little memory: measured on SmolLM2);
+on a CPU the heap's slack and the runtime's fixed part are calibrated against measured peaks
+(`benchmarks/memory_plan.py`, docs/benchmarks.md: 0.89x to 1.05x of them at three shapes). On
+CUDA the plan is not yet checked against a measurement.
 """
 
 from __future__ import annotations
