@@ -8,7 +8,9 @@ after, save, push. Everything algorithmic lives in the package (`trl_grpo_ext`);
 (`output_dir`) receives the adapter, `metrics.jsonl`, `reward_curve.png` and
 `before_after.md`. The last line printed is `held-out accuracy: <before> -> <after>`.
 `--resume_from_checkpoint true` (or a checkpoint folder) continues an interrupted run from its
-last complete checkpoint (`save_strategy: steps`).
+last complete checkpoint (`save_strategy: steps`). `--plan true` prints the memory each phase of
+the run will need and exits; a run the device cannot hold stops before loading any weights
+(`--ignore_memory_plan true` runs it anyway).
 """
 
 # ruff: noqa: E402
@@ -42,6 +44,7 @@ from trl_grpo_ext.evaluation import (
     evaluate_on_processes,
     start_metrics_log,
 )
+from trl_grpo_ext.memory_plan import recipe_memory_plan
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
     MathScriptArguments,
@@ -101,6 +104,12 @@ def main(script_args, training_args, model_args):
     if script_args.tool_format:
         apply_tool_format(tokenizer, script_args.tool_format, tools)
     check_chat_template(tokenizer, script_args.system_prompt or None)
+    # Memory: each phase's peak predicted from the model's config and the prompts, before any
+    # weights load; --plan prints the plan and stops; a run the device cannot hold stops here.
+    if recipe_memory_plan(
+        script_args, training_args, model_args, model_path, tokenizer, train_dataset, tools
+    ):
+        return None
     quantization_config = get_quantization_config(model_args)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
