@@ -57,14 +57,36 @@ def test_kv_cache_bytes_are_layers_x_2_x_kv_heads_x_head_dim_x_rows_x_tokens_x_b
 
 
 def test_the_sampling_phase_holds_the_generation_batchs_kv_cache(tmp_path, tiny_config):
-    short = plan_memory(config(tmp_path), tiny_config, lora(), device="cuda")
+    dynamic = {"cache_implementation": "dynamic"}  # TRL's cache: as long as the batch needs
+    short = plan_memory(config(tmp_path, **dynamic), tiny_config, lora(), device="cuda")
     longer = plan_memory(
-        config(tmp_path, max_completion_length=48), tiny_config, lora(), device="cuda"
+        config(tmp_path, max_completion_length=48, **dynamic), tiny_config, lora(), device="cuda"
     )
     # 32 more tokens in each of 8 rows; the prompts' pass and the step's logits stay as they are
     grown = kv_cache_bytes(tiny_config, 8, 80) - kv_cache_bytes(tiny_config, 8, 48)
     assert longer.phases["sampling"] - short.phases["sampling"] == grown
     assert longer.phases["weights"] == short.phases["weights"]
+
+
+def test_compiled_decodings_static_cache_holds_its_buckets_of_rows_and_positions(
+    tmp_path, tiny_config
+):
+    # 5 rows of 32 + 16 positions sample on CUDA in a static cache of 6 rows (the bucket above
+    # 5) and 48 positions (a bucket itself); TRL's dynamic cache holds 5 rows of 48.
+    fields = dict(per_device_train_batch_size=5, num_generations=5)
+    compiled = plan_memory(config(tmp_path, **fields), tiny_config, lora(), device="cuda")
+    dynamic = plan_memory(
+        config(tmp_path, cache_implementation="dynamic", **fields), tiny_config, lora(), "cuda"
+    )
+    off = plan_memory(
+        config(tmp_path, generation_kwargs={"disable_compile": True}, **fields),
+        tiny_config,
+        lora(),
+        "cuda",
+    )
+    padded_row = kv_cache_bytes(tiny_config, 6, 48) - kv_cache_bytes(tiny_config, 5, 48)
+    assert compiled.phases["sampling"] - dynamic.phases["sampling"] == padded_row
+    assert off.phases == dynamic.phases
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ phases after the first optimizer step also hold the trainable parameters' AdamW 
   with `beta > 0`);
 - `optimizer`: + the gradients and AdamW's two float32 states per trainable parameter;
 - `sampling`: + the KV cache of a generation batch (`layers x 2 x kv heads x head dim x rows x
-  (prompt + completion) x bytes`), a decoding step's float32 logits and, on a CPU in float32,
+  (prompt + completion) x bytes`; on CUDA the compiled decoding's static cache, rows and
+  positions rounded up to their buckets), a decoding step's float32 logits and, on a CPU in float32,
   the linear layers' weights laid out again for oneDNN (`generation/packed_weights.py`);
   a colocated vLLM engine's share of the device instead (`vllm_gpu_memory_utilization`);
 - `logprobs`: + the log-prob pass without gradient of a micro-batch: its last hidden states and
@@ -35,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+
+from .generation import compiled_decoding
 
 __all__ = [
     "MemoryPlan",
@@ -183,7 +186,11 @@ def plan_memory(
     elif args.use_vllm:  # a vLLM server samples: nothing more here
         sampling = trained
     else:
-        kv_cache = _kv_cache_bytes(shapes, rows, length, size)
+        cache_rows, cache_length = rows, length
+        if device_type == "cuda" and _decodes_compiled(args):  # a static cache, bucketed
+            shape = compiled_decoding.decoding_shape(rows, prompt, completion)
+            cache_rows, cache_length = shape.rows, shape.cache_length
+        kv_cache = _kv_cache_bytes(shapes, cache_rows, cache_length, size)
         step_logits = CHUNK_BUFFERS * rows * shapes.vocab * 4
         prompts = rows // args.num_generations
         prefill = prompts * prompt * (2 * shapes.hidden + 2 * shapes.intermediate) * size
@@ -256,6 +263,15 @@ def adapter_parameters(config, peft_config) -> int:
 def _kv_cache_bytes(shapes: _Shapes, rows: int, tokens: int, size: int) -> int:
     held = sum(min(window or tokens, tokens) for window in shapes.cache_layers)
     return held * 2 * shapes.kv_width * rows * size
+
+
+def _decodes_compiled(args) -> bool:
+    """Whether the transformers engine samples with compiled decoding on CUDA, whose static
+    cache holds bucketed rows and positions (`generation.compiled_decoding`): the default,
+    unless the settings name a cache or `disable_compile`."""
+    kwargs = args.generation_kwargs or {}
+    cache = kwargs.get("cache_implementation", args.cache_implementation)
+    return cache is None and not kwargs.get("disable_compile") and kwargs.get("use_cache", True)
 
 
 def _model_config(model, args):
