@@ -69,6 +69,18 @@ def test_the_adapter_is_counted_as_peft_counts_it(targets):
     assert adapter_parameters(model.config, lora(target_modules=targets)) == expected
 
 
+def test_a_vision_language_model_counts_its_vision_tower_and_adapts_its_language_model(tmp_path):
+    from trl_grpo_ext.models import language_model_lora
+    from trl_grpo_ext.tiny_vlm import build_tiny_vlm
+
+    model = build_tiny_vlm()
+    peft_model = get_peft_model(model, language_model_lora(model, lora()))
+    expected, total = peft_model.get_nb_trainable_parameters()
+    assert adapter_parameters(model.config, lora()) == expected
+    plan = plan_memory(config(tmp_path), model.config, lora(), device="cpu")
+    assert plan.phases["weights"] == 4 * total  # the vision tower's weights included
+
+
 def test_weights_and_optimizer_against_hand_computation(tmp_path, tiny_config):
     parameters = sum(p.numel() for p in build_tiny_model().parameters())
     adapter = adapter_parameters(tiny_config, lora())
@@ -114,15 +126,18 @@ def test_gradient_checkpointing_lowers_the_backward_phase(tmp_path, tiny_config)
     assert kept.peak_phase == "backward" and "gradient_checkpointing=True" in kept.advice
 
 
-def test_a_colocated_vllm_engine_holds_its_share(tmp_path, tiny_config, monkeypatch):
-    monkeypatch.setattr(memory_plan_module, "_device_total_bytes", lambda device: 80 * 2**30)
+def test_a_colocated_vllm_engine_holds_its_share(tmp_path, tiny_config):
     share = int(0.3 * 80 * 2**30)
     fields = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
-    awake = plan_memory(config(tmp_path, **fields), tiny_config, lora(), device="cpu")
+    awake = plan_memory(
+        config(tmp_path, **fields), tiny_config, lora(), "cuda", device_bytes=80 * 2**30
+    )
     assert all(value > share for value in awake.phases.values())  # held in every phase
     assert "vllm_gpu_memory_utilization" in awake.advice
     fields["vllm_enable_sleep_mode"] = True  # released while training
-    asleep = plan_memory(config(tmp_path, **fields), tiny_config, lora(), device="cpu")
+    asleep = plan_memory(
+        config(tmp_path, **fields), tiny_config, lora(), "cuda", device_bytes=80 * 2**30
+    )
     assert asleep.peak_phase == "sampling"
     assert asleep.phases["sampling"] == awake.phases["sampling"]
     assert asleep.phases["backward"] < share

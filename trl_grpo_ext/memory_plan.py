@@ -98,6 +98,7 @@ class _Shapes:
 
     parameters: int  # all parameters (tied ones once)
     linear: dict[str, tuple[int, int]]  # name -> (in, out) of each nn.Linear
+    decoder_linear: frozenset[str]  # those of the language model's decoder
     head_name: str | None  # the output head's module name
     vocab: int
     hidden: int
@@ -105,10 +106,13 @@ class _Shapes:
     query_width: int
     kv_width: int
     attention_heads: int
+    layers: int
     cache_layers: list[int | None] = field(default_factory=list)  # window per KV layer
 
 
-def plan_memory(args, model, peft_config=None, device="cuda") -> MemoryPlan:
+def plan_memory(
+    args, model, peft_config=None, device="cuda", *, device_bytes: int | None = None
+) -> MemoryPlan:
     """Predicts the peak memory of each phase of training with `args`, from the config only.
 
     Args:
@@ -119,11 +123,13 @@ def plan_memory(args, model, peft_config=None, device="cuda") -> MemoryPlan:
         peft_config (`peft.LoraConfig`, *optional*): the adapter; None for full fine-tuning.
         device (`str` or `torch.device`, *optional*, defaults to `"cuda"`): the device the run
             trains on; on a CPU the float32 linear layers are laid out again while sampling.
+        device_bytes (`int`, *optional*): the device's total memory, of which a colocated vLLM
+            engine takes `vllm_gpu_memory_utilization`; None: asked of the device.
 
     Returns:
         `MemoryPlan`: bytes per phase, the peak phase and what to change to lower it.
     """
-    config = _text_config(model, args)
+    config = _model_config(model, args)
     shapes = _shapes(config)
     device_type = torch.device(device).type
     dtype = _dtype(args, config)
@@ -143,7 +149,8 @@ def plan_memory(args, model, peft_config=None, device="cuda") -> MemoryPlan:
     colocated = bool(args.use_vllm) and args.vllm_mode == "colocate"
     engine = 0
     if colocated:
-        engine = int(args.vllm_gpu_memory_utilization * _device_total_bytes(device_type))
+        total = device_bytes if device_bytes is not None else _device_total_bytes(device_type)
+        engine = int(args.vllm_gpu_memory_utilization * total)
     always_engine = 0 if args.vllm_enable_sleep_mode else engine
     trained = resident + states + always_engine  # after the first optimizer step
 
@@ -184,7 +191,7 @@ def plan_memory(args, model, peft_config=None, device="cuda") -> MemoryPlan:
     one_layer = micro * length * per_token * size
     logprobs = trained + hidden_states + max(head, one_layer)
 
-    layers = len(shapes.cache_layers)
+    layers = shapes.layers
     if args.gradient_checkpointing:
         kept = layers * micro * length * shapes.hidden * size + one_layer
     else:
@@ -231,7 +238,7 @@ def _kv_cache_bytes(shapes: _Shapes, rows: int, tokens: int, size: int) -> int:
     return held * 2 * shapes.kv_width * rows * size
 
 
-def _text_config(model, args):
+def _model_config(model, args):
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
@@ -245,7 +252,7 @@ def _text_config(model, args):
             f"model must be a Hub id, a folder or a PretrainedConfig, got {type(model).__name__}; "
             "for a loaded model pass model.config."
         )
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config
 
 
 def _dtype(args, config) -> torch.dtype:
@@ -264,48 +271,59 @@ def _dtype(args, config) -> torch.dtype:
 
 
 def _shapes(config) -> _Shapes:
-    """Counts the parameters of `config`'s causal LM laid out on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    """Counts the parameters of `config`'s model laid out on the meta device (no memory): a
+    causal LM, or a vision-language model whole (`AutoModelForImageTextToText`, as loaded)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vision_language = type(config) in AutoModelForImageTextToText._model_mapping
+    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
+    text = config.get_text_config()
     linear = {
         name: (module.in_features, module.out_features)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear)
     }
+    decoder = {id(module) for module in model.get_decoder().modules()}
     head = model.get_output_embeddings()
     head_name = next((name for name, module in model.named_modules() if module is head), None)
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     cache_layers = [
         window if kind == "sliding_attention" else None
         for kind in kinds
         if kind in ("full_attention", "sliding_attention", "chunked_attention")
     ]
-    vocab = config.vocab_size
     return _Shapes(
         parameters=sum(p.numel() for p in model.parameters()),
         linear=linear,
+        decoder_linear=frozenset(
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and id(module) in decoder
+        ),
         head_name=head_name,
-        vocab=vocab,
+        vocab=text.vocab_size,
         hidden=hidden,
-        intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+        intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
         query_width=heads * head_dim,
         kv_width=kv_heads * head_dim,
         attention_heads=heads,
+        layers=text.num_hidden_layers,
         cache_layers=cache_layers,
     )
 
 
 def _targets(shapes: _Shapes, peft_config) -> set[str]:
     """The linear layers `peft_config` adapts, matched as PEFT matches them: a string is a
-    regular expression over the full name (`"all-linear"`: every linear layer but the output
-    head), a list names module suffixes."""
+    regular expression over the full name, a list names module suffixes; `"all-linear"` is
+    the decoder's linear layers (all but the output head; a vision-language model's language
+    model only, as `models.language_model_lora` narrows it)."""
     targets = peft_config.target_modules
     names = list(shapes.linear)
     if targets is None:
@@ -315,7 +333,7 @@ def _targets(shapes: _Shapes, peft_config) -> set[str]:
         )
     if isinstance(targets, str):
         if targets == "all-linear":
-            return {name for name in names if name != shapes.head_name}
+            return set(shapes.decoder_linear) - {shapes.head_name}
         return {name for name in names if re.fullmatch(targets, name)}
     wanted = set(targets)
     return {name for name in names if name in wanted or name.rsplit(".", 1)[-1] in wanted}
@@ -353,8 +371,7 @@ def _activation_values_per_token(shapes: _Shapes, peft_config) -> int:
         + widths["key_value"] * shapes.kv_width
     )
     if peft_config is not None:
-        layers = max(1, len(shapes.cache_layers))
-        values += peft_config.r * len(_targets(shapes, peft_config)) // layers
+        values += peft_config.r * len(_targets(shapes, peft_config)) // shapes.layers
     return values
 
 
