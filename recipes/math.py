@@ -42,6 +42,7 @@ from trl_grpo_ext.evaluation import (
     evaluate_on_processes,
     start_metrics_log,
 )
+from trl_grpo_ext.memory_plan import recipe_memory_plan
 from trl_grpo_ext.script_args import (
     apply_tool_format,
     check_dataset_arguments,
@@ -94,6 +95,10 @@ def main(script_args, training_args, model_args, dataset_args=None):
 
     # Tokenizer (with a chat template that has a tool format, when given), tools and model.
     model_path = resolve_model_path(script_args, model_args, training_args)
+    # Memory: each phase's peak predicted from the model's config, before any weights load;
+    # --plan prints the plan and stops; a run the device cannot hold stops here.
+    if recipe_memory_plan(script_args, training_args, model_args, model_path):
+        return None
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -2,7 +2,15 @@
 
 from .config import GroupRelativeConfig
 from .generation.rollout import Rollout
+from .memory_plan import MemoryPlan, plan_memory
 from .trainer import GroupRelativeTrainer
 
 __version__ = "0.1.0"
-__all__ = ["GroupRelativeConfig", "GroupRelativeTrainer", "Rollout", "__version__"]
+__all__ = [
+    "GroupRelativeConfig",
+    "GroupRelativeTrainer",
+    "MemoryPlan",
+    "Rollout",
+    "__version__",
+    "plan_memory",
+]

@@ -175,6 +175,15 @@ class MathScriptArguments:
         default=None,
         metadata={"help": "CPU threads of PyTorch; 1 is fastest for the tiny model on a busy CPU."},
     )
+    # The memory plan (`trl_grpo_ext.memory_plan`), checked before any weights load.
+    plan: bool = field(
+        default=False,
+        metadata={"help": "Print the predicted memory of each phase of the run, then exit."},
+    )
+    ignore_memory_plan: bool = field(
+        default=False,
+        metadata={"help": "Run even when the memory plan predicts more than the device has free."},
+    )
 
 
 def make_parser(prog: str | None = None):
