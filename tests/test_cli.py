@@ -2,8 +2,8 @@
 YAML and from flags alone, finds a reward function in a file of the working directory, and lets
 a flag beat the YAML; `trl grpo` command lines of TRL's documentation parse to the same settings
 under TRL's parser and ours; accelerate flags build the `accelerate launch` command line; unknown
-flags name the closest valid one; `eval` reports a trained adapter, with tools; `env` prints its
-table. A newcomer's tiny run prints no warning of transformers' from our code paths."""
+flags name the closest valid one; `eval` reports a trained adapter, with tools; `plan` and `env`
+print their tables. A newcomer's tiny run prints no warning of transformers' from our code paths."""
 
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ def test_an_unknown_key_in_the_yaml_names_the_closest_field(tmp_path, capsys):
     )
 
 
-@pytest.mark.parametrize("command", ["grpo", "eval", "env"])
+@pytest.mark.parametrize("command", ["grpo", "eval", "plan", "env"])
 def test_help_of_each_command(command, capsys):
     with pytest.raises(SystemExit) if command != "env" else _nothing():
         cli.main([command, "--help"])
@@ -302,6 +302,19 @@ def test_eval_reports_a_trained_adapter_with_tools(preset_run, tmp_path, capsys)
     assert cli.main(["eval", *common, "--output", str(tmp_path / "report.md")]) == 0
     markdown = (tmp_path / "report.md").read_text()
     assert "| tool_call_rate |" in markdown and "| greedy_lenient |" in markdown
+
+
+def test_plan_prints_the_memory_plan_of_a_preset(preset_run, capsys):
+    """The flags of `grpo`, a flag over the YAML, printed as the plan's table."""
+    cache = str(preset_run["dir"].parent / "cache")  # the warmed-up tiny model of the run
+    argv = ["plan", "--config", "tiny_cpu", "--tiny_cache_dir", cache, *SHORT]
+    assert cli.main([*argv, "--max_completion_length", "24"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("memory plan (cpu") :].splitlines()
+    assert "+ 24 completion tokens" in table[0]  # the flag, not the YAML's 12
+    phases = [line.split()[0] for line in table[2:-1]]
+    assert phases == ["weights", "optimizer", "sampling", "logprobs", "backward"]
+    assert sum("<- peak" in line for line in table) == 1 and table[-1].startswith("to lower")
 
 
 def test_env_prints_its_table(capsys):

@@ -3,7 +3,8 @@
     trl-grpo-ext grpo --config tiny_cpu --max_steps 20      # a preset: recipes/configs/tiny_cpu.yaml
     trl-grpo-ext grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name gsm8k \
         --reward_funcs accuracy_reward --use_peft --num_processes 2   # through accelerate launch
-    trl-grpo-ext eval --adapter runs/tiny_cpu --dataset_name synthetic --system_prompt ""
+    trl-grpo-ext eval --run_config recipes/configs/tiny_cpu.yaml --adapter runs/tiny_cpu
+    trl-grpo-ext plan --config qwen2.5-0.5b-instruct_gsm8k_lora   # memory of each phase
     trl-grpo-ext env
 
 The command line parses; the recipes train and evaluate. `grpo` parses with `recipes/math.py`'s
@@ -49,6 +50,13 @@ rewards, TRL's names, or dotted paths, found from the working directory too). Ou
 ({presets}). --config FILE.yaml sets defaults; flags on the command line override it.
 """
 
+PLAN_HELP = """\
+Print the memory plan of a run: each phase's predicted peak (weights, adapter and optimizer,
+sampling KV cache, log-prob pass, backward) per process, from the model's config alone, before
+any weights load, with the setting that lowers the peak. It takes the flags of
+`trl-grpo-ext grpo` (a preset by name: {presets}); accelerate flags are accepted and unused.
+"""
+
 GRPO_EPILOG = """\
 accelerate launch (any of its flags; with one, the run is launched through it):
   --num_processes N        processes (GPUs); on CPUs add --multi_gpu --mixed_precision no
@@ -71,7 +79,7 @@ class CliError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"grpo": grpo, "eval": evaluate, "env": env}
+    commands = {"grpo": grpo, "eval": evaluate, "plan": plan, "env": env}
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -87,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 USAGE = """\
-usage: trl-grpo-ext {grpo,eval,env} [flags]
+usage: trl-grpo-ext {grpo,eval,plan,env} [flags]
 
   grpo   train with GRPO: the math recipe with the flags of `trl grpo` (and --config YAML)
   eval   greedy pass@1 and pass@k of a model or model + adapter, with tools if it was trained so
+  plan   the predicted peak memory of each phase of a run (grpo's flags), before weights load
   env    versions, devices, the Python tool's sandbox and vLLM: what a bug report needs
 
 `trl-grpo-ext <command> --help` lists a command's flags."""
@@ -98,13 +107,42 @@ usage: trl-grpo-ext {grpo,eval,env} [flags]
 
 def grpo(argv: list[str]) -> int:
     """`trl-grpo-ext grpo`: parse as `recipes/math.py` does, then run it here or launch it."""
+    argv = resolve_preset(argv)
+    arguments, launch, cli_remaining = parse_run(argv, "grpo")
+    if launch:
+        accelerate_launch(accelerate_command(launch, subtract(argv, cli_remaining)))
+        return 0
+    recipe("math").main(*arguments)
+    return 0
+
+
+def plan(argv: list[str]) -> int:
+    """`trl-grpo-ext plan`: the memory plan of a run (the flags of `grpo`), as a table, from the
+    model's config before any weights load; the recipe's own `--plan` step."""
+    from .memory_plan import recipe_memory_plan
+    from .script_args import resolve_model_path
+
+    (script_args, training_args, model_args, _), _, _ = parse_run(resolve_preset(argv), "plan")
+    script_args.plan = True
+    model_path = resolve_model_path(script_args, model_args, training_args)
+    recipe_memory_plan(script_args, training_args, model_args, model_path)
+    return 0
+
+
+def parse_run(argv: list[str], command: str):
+    """`(dataclasses, accelerate launch arguments, the command line's leftovers)` of a run's
+    flags, parsed by the recipe's parser; a flag or YAML key neither it nor accelerate knows is
+    a `CliError`."""
     from .script_args import make_parser
 
-    argv = resolve_preset(argv)
-    parser = make_parser(prog="trl-grpo-ext grpo")
-    parser.description = GRPO_HELP.format(presets=", ".join(presets()))
-    parser.epilog = GRPO_EPILOG
-    parser.usage = "trl-grpo-ext grpo [--config FILE.yaml | PRESET] [flags] [accelerate flags]"
+    parser = make_parser(prog=f"trl-grpo-ext {command}")
+    parser.description = (GRPO_HELP if command == "grpo" else PLAN_HELP).format(
+        presets=", ".join(presets())
+    )
+    parser.epilog = GRPO_EPILOG if command == "grpo" else None
+    parser.usage = f"trl-grpo-ext {command} [--config FILE.yaml | PRESET] [flags]" + (
+        " [accelerate flags]" if command == "grpo" else ""
+    )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     *arguments, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -116,11 +154,7 @@ def grpo(argv: list[str]) -> int:
             f"unknown key {key!r} in the --config file.{closest('--' + key, known, strip=True)}"
         )
     launch = launch_arguments(parser.launch_config, cli_remaining, known)
-    if launch:
-        accelerate_launch(accelerate_command(launch, subtract(argv, cli_remaining)))
-        return 0
-    recipe("math").main(*arguments)
-    return 0
+    return arguments, launch, cli_remaining
 
 
 def resolve_preset(argv: list[str]) -> list[str]:
