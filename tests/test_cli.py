@@ -226,6 +226,32 @@ def test_num_processes_launches_the_recipe_through_accelerate_and_beats_the_yaml
     assert training_args.max_steps == 2 and script_args.dataset_name == "synthetic"
 
 
+@pytest.mark.slow
+def test_two_cpu_processes_train_through_accelerate(tmp_path):
+    """`--multi_gpu --num_processes 2 --mixed_precision no` on CPUs: accelerate starts two
+    processes of the recipe (gloo), each evaluates its shard and prints the summary (about a
+    minute on 2 cores)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    command = [
+        sys.executable, "-m", "trl_grpo_ext", "grpo", "--config", "tiny_cpu",
+        "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no",
+        "--main_process_port", port, *SHORT, "--max_steps", "2",
+        "--output_dir", str(tmp_path / "run"), "--tiny_cache_dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("accelerate launch --multi_gpu --num_processes 2")
+    assert result.stdout.count("held-out accuracy:") == 2  # one line per process
+    assert (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
 def test_accelerate_config_names_and_files():
     assert cli.accelerate_config_file("zero3").endswith("recipes/accelerate/deepspeed_zero3.yaml")
     assert cli.accelerate_config_file("fsdp").endswith("recipes/accelerate/fsdp.yaml")
