@@ -183,7 +183,9 @@ def test_trl_doc_command_lines_parse_to_the_same_settings(name, tmp_path):
     # The same accelerate launch: TRL's from its leftovers, ours from the YAML and the flags.
     their_launch = resolve_accelerate_config_argument(their_config + their_cli)
     our_launch = cli.launch_arguments(ours_parser.launch_config, our_cli, [])
-    assert their_launch[::2] == our_launch[::2]  # the same flags in the same order
+    # The same flags in the same order; with no config file, accelerate's defaults spelled out.
+    quiet = [f"--{dest}" for dest in cli.QUIET_DEFAULTS]
+    assert their_launch[::2] == [flag for flag in our_launch[::2] if flag not in quiet]
     if "--num_processes" in their_launch:
         assert our_launch[our_launch.index("--num_processes") + 1] == "4"
     if "--config_file" in their_launch:
@@ -220,6 +222,7 @@ def test_num_processes_launches_the_recipe_through_accelerate_and_beats_the_yaml
     config_file = launch[launch.index("--config_file") + 1]
     assert config_file == os.path.join(ROOT, "recipes", "accelerate", "multi_gpu.yaml")
     assert "--multi_gpu" in launch and launch[launch.index("--mixed_precision") + 1] == "no"
+    assert "--num_machines" not in launch  # the config file gives it
     assert training == ["--config", str(path), "--max_steps", "2"]
     # The recipe, launched so, reads the YAML without failing on its launch keys.
     script_args, training_args, *_ = make_parser().parse_args_and_config(training)
@@ -249,7 +252,21 @@ def test_two_cpu_processes_train_through_accelerate(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("accelerate launch --multi_gpu --num_processes 2")
     assert result.stdout.count("held-out accuracy:") == 2  # one line per process
+    assert "were not passed to `accelerate launch`" not in result.stdout + result.stderr
     assert (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+def test_without_a_config_file_accelerates_defaults_are_spelled_out(tmp_path, monkeypatch):
+    """So accelerate launches without its notice that it took them; a config file (given, or
+    accelerate's default one) gives them instead."""
+    monkeypatch.setattr(cli, "default_config_file", lambda: str(tmp_path / "none.yaml"))
+    launch = cli.launch_arguments({}, ["--num_processes", "2", "--mixed_precision", "bf16"], [])
+    assert launch == ["--num_processes", "2", "--mixed_precision", "bf16"] + [
+        "--num_machines", "1", "--dynamo_backend", "no",
+    ]  # fmt: skip
+    assert cli.launch_arguments({}, [], []) == []  # no launch flag: no launch
+    (tmp_path / "none.yaml").write_text("num_machines: 1\n")
+    assert cli.launch_arguments({}, ["--num_processes", "2"], []) == ["--num_processes", "2"]
 
 
 def test_accelerate_config_names_and_files():

@@ -229,7 +229,22 @@ def launch_arguments(config: dict, cli_remaining: list[str], known: list[str]) -
                 raise CliError(f"{flag} needs a value.")
             inline = tokens.pop(0)
         add(flag, inline if takes_value else None)
+    if settings and "config_file" not in settings and not os.path.isfile(default_config_file()):
+        # Without a config file accelerate takes these defaults with a notice; given, no notice.
+        for dest, default in QUIET_DEFAULTS.items():
+            settings.setdefault(dest, [f"--{dest}", default])
     return [token for flag_tokens in settings.values() for token in flag_tokens]
+
+
+# accelerate launch's own defaults where no config file gives them.
+QUIET_DEFAULTS = {"num_machines": "1", "mixed_precision": "no", "dynamo_backend": "no"}
+
+
+def default_config_file() -> str:
+    """accelerate's default config file (`accelerate config` writes it)."""
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file
 
 
 def accelerate_config_file(value: str) -> str:
@@ -349,9 +364,8 @@ def environment_rows() -> list[tuple[str, str]]:
     rows += [(name, installed(name)) for name in packages]
     rows += [(name, installed(name)) for name in ("deepspeed", "bitsandbytes", "pyseccomp")]
     rows += [("devices", devices(torch))]
-    from accelerate.commands.config import default_config_file
-
-    accelerate_config = default_config_file if os.path.isfile(default_config_file) else "none"
+    accelerate_config = default_config_file()
+    accelerate_config = accelerate_config if os.path.isfile(accelerate_config) else "none"
     rows += [("accelerate default config", accelerate_config)]
     rows += [("run_python sandbox", sandbox())]
     rows += [("vllm", vllm_import())]
