@@ -360,6 +360,22 @@ def test_plan_prints_the_memory_plan_of_a_preset(preset_run, capsys):
     assert sum("<- peak" in line for line in table) == 1 and table[-1].startswith("to lower")
 
 
+def test_setup_cfg_declares_the_console_script():
+    """`pip install -e .` installs `trl-grpo-ext` as `trl_grpo_ext.cli:main` (tests here call it
+    in-process, or as `python -m trl_grpo_ext`)."""
+    import configparser
+    import importlib
+
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(ROOT, "setup.cfg"))
+    scripts = dict(
+        line.replace(" ", "").split("=")
+        for line in setup["options.entry_points"]["console_scripts"].strip().splitlines()
+    )
+    module, _, name = scripts["trl-grpo-ext"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+
+
 def test_env_prints_its_table(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out

@@ -29,6 +29,11 @@ from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
+RECIPES_MISSING = (
+    "trl-grpo-ext runs the recipes and presets of the repository (recipes/), which a wheel does "
+    "not hold: install from a clone with `pip install -e .`."
+)
+
 # `--accelerate_config` by name: the files of recipes/accelerate (TRL's names are also found in
 # TRL's own `trl/accelerate_configs`: zero1, fsdp1, fsdp2).
 ACCELERATE_CONFIGS = {
@@ -167,6 +172,8 @@ def resolve_preset(argv: list[str]) -> list[str]:
     value = argv[index + 1]
     if os.path.isfile(value):
         return argv
+    if not RECIPES.is_dir():
+        raise CliError(f"--config {value}: no such file. {RECIPES_MISSING}")
     preset = RECIPES / "configs" / f"{value.removesuffix('.yaml')}.yaml"
     if preset.is_file():
         return argv[: index + 1] + [str(preset)] + argv[index + 2 :]
@@ -294,10 +301,7 @@ def recipe(name: str):
     """The module of `recipes/<name>.py`, loaded from its file."""
     path = RECIPES / f"{name}.py"
     if not path.is_file():
-        raise CliError(
-            f"{path} is missing: trl-grpo-ext runs the recipes of a clone of the repository, "
-            "installed with `pip install -e .`."
-        )
+        raise CliError(f"{path} is missing. {RECIPES_MISSING}")
     module_name = f"trl_grpo_ext_recipes_{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
