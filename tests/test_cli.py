@@ -347,6 +347,38 @@ def test_eval_reports_a_trained_adapter_with_tools(preset_run, tmp_path, capsys)
     assert "| tool_call_rate |" in markdown and "| greedy_lenient |" in markdown
 
 
+def test_eval_counts_the_tool_calls_of_a_model_and_adapter_with_tools(tmp_path, capsys):
+    """The tiny model trained to answer "Add 2 and 3, then add 4." by calling `add` twice
+    (agent_helpers.tool_calling_model), with a LoRA adapter on it (initialised to leave it
+    unchanged), evaluated with that tool: the greedy completion calls it, no call fails, and the
+    answer after the calls is right."""
+    from agent_helpers import needs_trl_1_16, tool_calling_model
+    from peft import LoraConfig, get_peft_model
+
+    if needs_trl_1_16.args[0]:
+        pytest.skip(needs_trl_1_16.kwargs["reason"])
+    model, tokenizer = tool_calling_model()
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(
+        tmp_path / "adapter"
+    )
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"question": "Add 2 and 3, then add 4.", "answer": "9"}) + "\n")
+    # Byte-level tokens: two calls, their results and the answer take about 220 of the budget.
+    argv = [
+        "eval", "--model_name_or_path", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"),
+        "--dataset_name", str(problems), "--system_prompt", "", "--tools", "agent_helpers.add",
+        "--max_new_tokens", "400", "--progress", "false", "--output", str(tmp_path / "report.json"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["tool_call_rate"], report["tool_error_rate"]) == (1.0, 0.0)
+    assert report["greedy_lenient"] == 1.0
+    assert "[add] 5" in report["samples"][0]["completion"]  # the first call's result
+    assert "tool called in 100.0%, calls failed 0.0%" in capsys.readouterr().out
+
+
 def test_plan_prints_the_memory_plan_of_a_preset(preset_run, capsys):
     """The flags of `grpo`, a flag over the YAML, printed as the plan's table."""
     cache = str(preset_run["dir"].parent / "cache")  # the warmed-up tiny model of the run
