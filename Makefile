@@ -83,17 +83,20 @@ test-lowest: $(LOWEST_STAMP)
 		$(patsubst %,tests/test_%.py,$(LOWEST_TESTS)) \
 		$(patsubst %,--deselect tests/%,$(LOWEST_DESELECT))
 
+# One process, every setting accelerate would otherwise default with a notice ("The following
+# values were not passed to `accelerate launch`...") given.
+LAUNCH_CPU := --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no
 train: $(STAMP)
-	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/tiny_cpu.yaml
+	$(VENV)/bin/accelerate launch $(LAUNCH_CPU) recipes/math.py --config recipes/configs/tiny_cpu.yaml
 
 # A real pretrained model on 2 CPU cores (docs/recipes.md, "SmolLM2-135M on a CPU").
 train-smollm2: $(SMOLLM2_STAMP)
-	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_cpu.yaml
+	$(VENV)/bin/accelerate launch $(LAUNCH_CPU) recipes/math.py --config recipes/configs/smollm2_cpu.yaml
 
 # The same model calling a sandboxed Python tool (docs/recipes.md, "SmolLM2-135M with a Python
 # tool").
 train-smollm2-tools: $(SMOLLM2_STAMP)
-	$(VENV)/bin/accelerate launch --num_processes 1 --mixed_precision no recipes/math.py --config recipes/configs/smollm2_tools_cpu.yaml
+	$(VENV)/bin/accelerate launch $(LAUNCH_CPU) recipes/math.py --config recipes/configs/smollm2_tools_cpu.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

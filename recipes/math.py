@@ -26,9 +26,9 @@ sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) !
 
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+from trl import get_peft_config, get_quantization_config
 
-from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+from trl_grpo_ext import GroupRelativeTrainer
 from trl_grpo_ext.checkpoints import resolve_resume
 from trl_grpo_ext.data import (
     check_chat_template,
@@ -45,24 +45,26 @@ from trl_grpo_ext.evaluation import (
     start_metrics_log,
 )
 from trl_grpo_ext.memory_plan import recipe_memory_plan
-from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
-    MathScriptArguments,
     apply_tool_format,
+    check_dataset_arguments,
     load_chat_template,
     load_messages,
+    load_rewards,
     load_tools,
+    make_parser,
     resolve_model_path,
     resume_argument,
     start_run,
 )
 
 
-def main(script_args, training_args, model_args):
+def main(script_args, training_args, model_args, dataset_args=None):
     # Seed; pushes happen once at the end, adapter-only (never checkpoint pushes mid-run).
     push_to_hub, hub_token = start_run(script_args, training_args)  # the token stays in here
 
     # Data: training problems, and held-out problems for evaluation.
+    check_dataset_arguments(script_args, dataset_args)
     data_kwargs = dict(
         config=script_args.dataset_config,
         question_column=script_args.dataset_question_column,
@@ -121,9 +123,9 @@ def main(script_args, training_args, model_args):
         device_map={"": PartialState().local_process_index} if quantization_config else None,
     )
 
-    # Rewards, and the trainer with LoRA from the model arguments.
-    reward_funcs = [get_reward(name) for name in script_args.reward_funcs]
-    format_reward = next((f for f in reward_funcs if f.__name__ == "format"), None)
+    # Rewards (a reward model first, if any), and the trainer with LoRA from the model arguments.
+    reward_funcs = load_rewards(script_args)
+    format_reward = next((f for f in reward_funcs if getattr(f, "__name__", "") == "format"), None)
     eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
     # The metrics log: a resumed run keeps the records up to its checkpoint; a new run in a
     # folder that holds a log keeps that log under another name. Nothing is deleted.
@@ -226,5 +228,4 @@ def main(script_args, training_args, model_args):
 
 
 if __name__ == "__main__":
-    parser = TrlParser((MathScriptArguments, GroupRelativeConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*make_parser().parse_args_and_config())

@@ -405,7 +405,7 @@ def test_sampling_settings_come_from_the_config_whose_defaults_are_theirs(tmp_pa
     assert (generation.temperature, generation.top_k, generation.min_p) == (0.7, 20, 0.05)
     assert generation.stop_strings == ["</answer>"] and generation.do_sample
     greedy = settings.generation_config(eos_token_id=[2], pad_token_id=0, greedy=True)
-    assert not greedy.do_sample and (greedy.top_k, greedy.min_p) == (0, None)
+    assert not greedy.do_sample and (greedy.top_k, greedy.min_p) == (None, None)
 
 
 def test_colocated_engine_settings_come_from_the_config_whose_defaults_are_theirs(tmp_path):

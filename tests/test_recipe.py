@@ -46,7 +46,9 @@ vlm_recipe = load_recipe("vlm_math.py", "vlm_math_recipe")
 
 def script_arguments(module=recipe):
     """The recipe module's own arguments dataclass."""
-    return getattr(module, "MathScriptArguments", None) or module.VisionMathScriptArguments
+    from trl_grpo_ext.script_args import MathScriptArguments, VisionMathScriptArguments
+
+    return VisionMathScriptArguments if module is vlm_recipe else MathScriptArguments
 
 
 def parser(module=recipe):

@@ -343,7 +343,7 @@ class GroupRelativeConfig(TrainingArguments):
         default=1.0,
         metadata={
             "help": "Train only on the tokens whose entropy is in this top fraction (1.0: all "
-            "tokens; 0.2: the 20% most uncertain, as in 'Beyond the 80/20 rule')."
+            "tokens; 0.2: the most uncertain fifth, as in 'Beyond the 80/20 rule')."
         },
     )
     sapo_temperature_neg: float = field(

@@ -340,7 +340,10 @@ def prepare_policy(model, args, peft_config=None):
             raise ValueError("model is already a PeftModel; do not also pass peft_config.")
         from peft import get_peft_model
 
-        model = get_peft_model(model, language_model_lora(model, peft_config))
+        from .generation.engines import without_checkpointing_alias_warning
+
+        with without_checkpointing_alias_warning():  # PeftModel reads the deprecated alias
+            model = get_peft_model(model, language_model_lora(model, peft_config))
     if args.gradient_checkpointing and is_peft_model(model):
         _check_reentrant_under_zero3(args)
         model.enable_input_require_grads()

@@ -1,7 +1,8 @@
 """The recipes' own arguments: `MathScriptArguments` (`recipes/math.py`) and
 `VisionMathScriptArguments` (`recipes/vlm_math.py`): data, rewards, evaluation and the embedded
 tiny models. The trainer's fields are in `GroupRelativeConfig`, the model's in
-`trl.ModelConfig`; `TrlParser` reads all three from one YAML file and the command line."""
+`trl.ModelConfig`, a dataset mixture's in `trl.DatasetMixtureConfig`; `TrlParser`
+(`make_parser`) reads them from one YAML file and the command line, as `trl grpo` does."""
 
 from __future__ import annotations
 
@@ -67,9 +68,31 @@ class MathScriptArguments:
     system_prompt: str = field(
         default=SYSTEM_PROMPT, metadata={"help": "System message; empty for none."}
     )
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's flag: stream the dataset. The math recipe holds its problems in "
+            "memory, so true is an error here."
+        },
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["math_accuracy", "format"],
-        metadata={"help": "Reward functions: registry names or dotted paths."},
+        metadata={
+            "help": "Reward functions: registry names, TRL's names (accuracy_reward, "
+            "think_format_reward, get_soft_overlong_punishment), or dotted paths, found from the "
+            "working directory too (my_rewards.score for ./my_rewards.py)."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A reward model (Hub id or local folder), scored before the reward "
+            "functions, as in `trl grpo`."
+        },
+    )
+    ignore_bias_buffers: bool = field(
+        default=False,
+        metadata={"help": "TRL's DDP debug flag; accepted and unused, as by `trl grpo`."},
     )
     tools: list[str] = field(
         default_factory=list,
@@ -161,6 +184,83 @@ class MathScriptArguments:
         default=False,
         metadata={"help": "Run even when the memory plan predicts more than the device has free."},
     )
+
+
+def make_parser(prog: str | None = None):
+    """The parser of `recipes/math.py` and `trl-grpo-ext grpo`: `trl.TrlParser` over
+    `MathScriptArguments`, `GroupRelativeConfig`, `trl.ModelConfig` and
+    `trl.DatasetMixtureConfig`, the dataclasses of `trl grpo` with ours in place of TRL's script
+    arguments and `GRPOConfig` (a superset of their fields). A YAML file given by `--config` sets
+    the defaults; flags on the command line override it. The YAML's `accelerate launch` settings
+    (`num_processes`, `accelerate_config`, ...), which `trl grpo` reads from it too, are set
+    aside in the parser's `launch_config` for `trl-grpo-ext grpo` to launch with."""
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+
+    from .config import GroupRelativeConfig
+
+    class RecipeParser(TrlParser):
+        launch_config: dict = {}
+
+        def set_defaults_with_config(self, **config) -> list[str]:
+            own = {action.dest for action in self._actions}
+            launch = launch_keys() - own
+            self.launch_config = {key: config.pop(key) for key in list(config) if key in launch}
+            return super().set_defaults_with_config(**config)
+
+    types = (MathScriptArguments, GroupRelativeConfig, ModelConfig, DatasetMixtureConfig)
+    # No abbreviations: `--learning_rat` is an unknown flag, not `--learning_rate`.
+    return RecipeParser(types, prog=prog, allow_abbrev=False)
+
+
+def launch_keys() -> set[str]:
+    """The settings of `accelerate launch` (`num_processes`, `multi_gpu`, `config_file`, ...)
+    and TRL's `accelerate_config`, by their names in a YAML file."""
+    from accelerate.commands.launch import launch_command_parser
+
+    keys = {action.dest for action in launch_command_parser()._actions if action.option_strings}
+    return (keys | {"accelerate_config"}) - {"help"}
+
+
+# `trl grpo`'s reward names (trl/scripts/grpo.py) as this package's rewards, which make the same
+# checks and read the `answer` column, then `solution` (TRL's read `solution` only).
+TRL_REWARD_NAMES = {
+    "accuracy_reward": "math_accuracy",
+    "reasoning_accuracy_reward": "math_accuracy",
+    "think_format_reward": "format",
+    "get_soft_overlong_punishment": {
+        "name": "overlong_penalty",
+        "max_length": 1280,
+        "cache_length": 256,
+    },
+}
+
+
+def load_rewards(script_args) -> list:
+    """The run's rewards: `reward_model_name_or_path` first (the trainer loads it), then each of
+    `reward_funcs` by registry name, TRL's name or dotted path."""
+    from .rewards import get_reward
+
+    rewards = (
+        [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    )
+    return rewards + [
+        get_reward(TRL_REWARD_NAMES.get(name, name)) for name in script_args.reward_funcs
+    ]
+
+
+def check_dataset_arguments(script_args, dataset_args=None) -> None:
+    """The dataset flags of `trl grpo` that the math recipe cannot honour, refused with what to
+    give instead: a mixture (`datasets`) and streaming."""
+    if dataset_args is not None and dataset_args.datasets:
+        raise ValueError(
+            "The math recipe trains on one dataset of problems: give --dataset_name (gsm8k, math, "
+            "synthetic, a Hub id or a local file) instead of a `datasets` mixture."
+        )
+    if script_args.dataset_streaming or (dataset_args is not None and dataset_args.streaming):
+        raise ValueError(
+            "The math recipe loads its problems into memory; drop --dataset_streaming/--streaming "
+            "(use --num_train_samples to train on the first N problems)."
+        )
 
 
 def resume_argument(value: str | None) -> str | bool | None:

@@ -211,12 +211,36 @@ def policy_for_generation(
     if takes_kwargs:
         options["gradient_checkpointing_kwargs"] = gradient_checkpointing_kwargs
     unwrapped = accelerator.unwrap_model(model_wrapped)
-    checkpointing = getattr(unwrapped, "is_gradient_checkpointing", False)
-    with unwrap_model_for_generation(model_wrapped, accelerator, **options) as policy:
+    checkpointing = gradient_checkpointing_on(unwrapped)
+    with contextlib.ExitStack() as stack:
+        with without_checkpointing_alias_warning():  # TRL 1.16 reads the alias on entering
+            policy = stack.enter_context(
+                unwrap_model_for_generation(model_wrapped, accelerator, **options)
+            )
         with in_eval_mode(policy):
             yield policy
     if checkpointing and not takes_kwargs:
         unwrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
+
+
+@contextlib.contextmanager
+def without_checkpointing_alias_warning():
+    """Hides transformers' FutureWarning (5.25 and later) that `is_gradient_checkpointing` is
+    deprecated, inside a call of TRL's or PEFT's that reads it (TRL 1.16's
+    `unwrap_model_for_generation`, PEFT 0.18's `PeftModel`): the user can change nothing
+    about it. Our own code reads `gradient_checkpointing_on`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
+        yield
+
+
+def gradient_checkpointing_on(model) -> bool:
+    """Whether `model` checkpoints activations: `is_activation_checkpointing` (transformers
+    5.25 and later), else the older `is_gradient_checkpointing`, which 5.25 deprecates."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(on if on is not None else getattr(model, "is_gradient_checkpointing", False))
 
 
 # Config fields that fix the shapes of a checkpoint's tensors: where the model in memory differs

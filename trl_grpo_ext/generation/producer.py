@@ -255,15 +255,30 @@ class RolloutProducer:
             raise ValueError(unsupported)
 
     @classmethod
-    def for_model(cls, model, tokenizer, *, chat_template_kwargs=None, engine=None):
+    def for_model(
+        cls,
+        model,
+        tokenizer,
+        *,
+        chat_template_kwargs=None,
+        engine=None,
+        agent=None,
+        max_completion_length: int | None = None,
+        max_tool_calling_iterations: int | None = None,
+    ):
         """A producer that samples from `model` alone, outside any trainer (the evaluation
         harness on a bare model, `evaluation.generate`): the config's defaults, prompts rendered
         with `chat_template_kwargs`, sampled by `engine` (by default `model`'s own `generate`,
-        in eval mode). Sample with `sample`."""
+        in eval mode), through the tools of `agent` (`tools.Agent`) when given, within
+        `max_completion_length` tokens and `max_tool_calling_iterations` calls. Sample with
+        `sample`."""
         from .engines import in_eval_mode
 
+        defaults = dataclasses.asdict(SamplingSettings())
+        if max_completion_length is not None:
+            defaults["max_completion_length"] = max_completion_length
         args = SimpleNamespace(  # what a producer without a trainer reads: the defaults
-            **dataclasses.asdict(SamplingSettings()),
+            **defaults,
             chat_template_kwargs=chat_template_kwargs,
             max_prompt_length=None,
             num_generations=1,
@@ -273,6 +288,7 @@ class RolloutProducer:
             sample_with_merged_adapters="exact",
             pad_to_multiple_of=None,
             max_staleness=None,
+            max_tool_calling_iterations=max_tool_calling_iterations,
         )
         producer = cls(
             args,
@@ -280,6 +296,7 @@ class RolloutProducer:
             eos_token_ids(model, tokenizer),
             policy=lambda: in_eval_mode(model),
             model=lambda: model,
+            agent=agent,
         )
         if engine is not None:
             producer.engine = engine

@@ -73,8 +73,8 @@ class SamplingSettings:
         )
         if suppress_tokens:
             settings["suppress_tokens"] = list(suppress_tokens)
-        if greedy:
-            settings.update(temperature=1.0, top_p=1.0, top_k=0, min_p=None)
+        if greedy:  # no filter; top_k unset, as transformers warns of top_k=0 without sampling
+            settings.update(temperature=1.0, top_p=1.0, top_k=None, min_p=None)
         settings.update(_with_stop_strings(self.generation_kwargs or {}))  # the user's win
         return GenerationConfig(**settings)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 
 RewardFunc = Callable[..., list]
@@ -116,7 +118,11 @@ def _named(reward, default_name: str | None) -> RewardFunc:
 
 
 def _import_object(path: str):
-    """`pkg.module:attr` or `pkg.module.attr`: import the longest module prefix, then getattr."""
+    """`pkg.module:attr` or `pkg.module.attr`: import the longest module prefix, then getattr.
+    Modules of the working directory are found too, after every other place on `sys.path`:
+    a console script's `sys.path` does not hold it (TRL issue 3448)."""
+    if os.getcwd() not in (os.path.abspath(entry or os.curdir) for entry in sys.path):
+        sys.path.append(os.getcwd())
     if ":" in path:
         module_name, _, attributes = path.partition(":")
         candidates = [(module_name, attributes.split("."))]
