@@ -237,7 +237,7 @@ def evaluate_every_step_on_the_engine(trainer, dataset):
         dataset,
         eval_every=1,
         max_new_tokens=2,
-        producer=lambda: trainer.rollouts,
+        trainer=lambda: trainer,
     )
     trainer.add_callback(periodic)
     return periodic

@@ -114,3 +114,14 @@ def test_checkpoints_use_the_public_methods_of_trainer_and_producer():
     assert private_attributes_used("trainer.rollouts._restored = 1", ("trainer",)) == {
         "trainer._restored"
     }
+
+
+def test_the_evaluation_harness_imports_nothing_from_training():
+    """`evaluation.py` evaluates any model: it may sample with a trainer it is given (through
+    the trainer's public `generate_rollouts`), but imports none of the training modules."""
+    names = imported_modules((PACKAGE / "evaluation.py").read_text(), "trl_grpo_ext.evaluation")
+    training = ("trl_grpo_ext.trainer", "trl_grpo_ext.checkpoints", "trl_grpo_ext.models")
+    assert not {n for n in names if n in training or n == "trl_grpo_ext"}
+    # the walk finds such an import inside a function too
+    found = imported_modules("def f():\n    from .checkpoints import x", "trl_grpo_ext.evaluation")
+    assert "trl_grpo_ext.checkpoints" in found

@@ -181,19 +181,6 @@ class RolloutProducer:
             seed = int(torch.randint(0, 2**31 - 1, ()))
         return self._sample(rows, self.sampling, version, seed)
 
-    def sample(self, rows: list[dict], generation_config, version: int = 0) -> Rollout:
-        """Rollouts of `rows` outside the training schedule (evaluations: `trainer.evaluate`
-        and the evaluation harness, `evaluation.generate`): `generation_config`'s
-        `num_return_sequences` per row, in order, sampled with the weights of `version`
-        (`evaluation_engine`), through the tools when the run has them, and cut, masked and
-        assembled as training rollouts are. The tokens the run never samples (a VLM's image
-        token) are suppressed whatever `generation_config` says."""
-        suppressed = self.generation_config.suppress_tokens
-        if suppressed and generation_config.suppress_tokens != suppressed:
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.suppress_tokens = suppressed
-        return self._sample(rows, generation_config, version, seed=None)
-
     def _sample(self, rows, generation_config, version, seed) -> Rollout:
         engine = self.evaluation_engine(version)
         if self.tool_loop is not None:  # prompts with images or without
@@ -310,9 +297,18 @@ class RolloutProducer:
         return self._engine_worker.call(function)
 
     @contextlib.contextmanager
-    def evaluating(self):
-        """A block in which `generate` samples `num_generations_eval` completions per prompt."""
-        self.sampling = self.eval_generation_config
+    def evaluating(self, generation_config=None):
+        """A block in which `generate` samples outside the training schedule with
+        `generation_config` (evaluations: `trainer.evaluate` and the evaluation harness, through
+        the public `generate_rollouts`), by default the run's evaluation settings
+        (`num_generations_eval` completions per prompt). The tokens the run never samples (a
+        VLM's image token) stay suppressed whatever `generation_config` says."""
+        config = generation_config or self.eval_generation_config
+        suppressed = self.generation_config.suppress_tokens
+        if suppressed and config.suppress_tokens != suppressed:
+            config = copy.deepcopy(config)
+            config.suppress_tokens = suppressed
+        self.sampling = config
         try:
             yield
         finally:
