@@ -2,7 +2,8 @@
 and the sampling settings of `generate`, each built in one place, and the engines that sample.
 
 - `prompts.py`, `sampling.py`: prompts to token ids; the `SamplingSettings` of a run and its
-  `GenerationConfig`;
+  `GenerationConfig`; `settings.py`: the package's other settings records, each built once from
+  the config (nothing else here reads it);
 - `engines.py`: the engine interface, `build_engine`, `EngineWorker`; `weights.py`: how an
   engine with its own copy of the weights keeps it on the trainer's;
 - `transformers_engine.py`, `process_worker.py`, `vllm_colocate.py`, `vllm_server.py`: the

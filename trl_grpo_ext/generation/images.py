@@ -137,11 +137,11 @@ TOOL_IMAGES_NEED_A_PROCESSOR = (
 )
 
 
-def images_unsupported(args, engine=None) -> str | None:
+def images_unsupported(use_vllm: bool, engine=None) -> str | None:
     """Why images cannot be sampled with these settings (a path not yet covered would sample
     from the text alone), or None when they can: the transformers engine, single- or multi-turn,
     in the training process or the asynchronous rollout worker's."""
-    if getattr(args, "use_vllm", False):
+    if use_vllm:
         what = "use_vllm=True (vLLM does not receive the images yet)"
     elif engine is not None and not getattr(engine, "takes_images", False):
         what = f"the {type(engine).__name__} engine (it does not take images)"

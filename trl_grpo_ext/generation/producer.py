@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -52,7 +50,7 @@ from .images import (
 from .multi_turn import ToolCallFormat, ToolLoop
 from .prompts import PromptEncoder, is_conversational
 from .rollout import CompletionEnds, Rollout, assemble_rollout, eos_token_ids, left_padded
-from .sampling import SamplingSettings
+from .settings import GenerationSettings, RolloutSettings
 from .transformers_engine import generation_seed
 
 
@@ -60,7 +58,8 @@ class RolloutProducer:
     """Samples the completions of generation batches, synchronously or ahead of the trainer.
 
     Args:
-        args ([`GroupRelativeConfig`]): sampling, engine and asynchronous settings.
+        settings (`settings.GenerationSettings`): the sampling, engine and rollout records,
+            built once from the config (`GenerationSettings.from_config`).
         tokenizer: renders, tokenises and decodes.
         eos_token_ids (`list[int]`): the tokens that end a completion.
         policy (`Callable[[], ContextManager]`): yields the model to generate with in this
@@ -77,7 +76,7 @@ class RolloutProducer:
 
     def __init__(
         self,
-        args,
+        settings: GenerationSettings,
         tokenizer,
         eos_token_ids,
         *,
@@ -88,29 +87,35 @@ class RolloutProducer:
         agent=None,
         processor=None,
     ):
-        self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
+        self.settings, self.tokenizer, self.eos_token_ids = settings, tokenizer, eos_token_ids
+        rollout = self.rollout_settings = settings.rollout
         self.processor = processor
         self.policy, self.model = policy, model
         self.agent, self.tool_loop = agent, None
         format = chat_template = None
         if agent is not None:
-            format = ToolCallFormat(tokenizer, args.chat_template_kwargs, processor)
+            format = ToolCallFormat(tokenizer, rollout.chat_template_kwargs, processor)
             chat_template = format.chat_template
         self.encoder = PromptEncoder(
-            tokenizer, args.max_prompt_length, args.chat_template_kwargs, chat_template, processor
+            tokenizer,
+            rollout.max_prompt_length,
+            rollout.chat_template_kwargs,
+            chat_template,
+            processor,
         )
         ids = dict(eos_token_id=eos_token_ids, pad_token_id=tokenizer.pad_token_id)
         if processor is not None:  # a sampled image token would have no image features
             ids["suppress_tokens"] = [image_token_id(processor, model())]
-        settings = SamplingSettings.from_config(args)
-        self.generation_config = settings.generation_config(
-            num_return_sequences=args.num_generations, **ids
+        self.generation_config = settings.sampling.generation_config(
+            num_return_sequences=rollout.num_generations, **ids
         )
-        self.eval_generation_config = settings.generation_config(
-            num_return_sequences=args.num_generations_eval or args.num_generations, **ids
+        self.eval_generation_config = settings.sampling.generation_config(
+            num_return_sequences=rollout.num_generations_eval or rollout.num_generations, **ids
         )
         self.sampling = self.generation_config  # the eval one inside `evaluating()`
-        self.engine = build_engine(args, policy, model, engine_folder, lora_rank, tokenizer)
+        self.engine = build_engine(
+            settings.engine, policy, model, engine_folder, lora_rank, tokenizer
+        )
         if format is not None:
             self.tool_loop = ToolLoop(
                 format,
@@ -118,9 +123,9 @@ class RolloutProducer:
                 eos_token_ids=eos_token_ids,
                 stop_strings=self.generation_config.stop_strings,
                 pad_token_id=tokenizer.pad_token_id,
-                max_completion_length=args.max_completion_length,
-                max_model_len=_max_model_len(args, model(), self.engine),
-                max_iterations=args.max_tool_calling_iterations,
+                max_completion_length=settings.sampling.max_completion_length,
+                max_model_len=_max_model_len(settings.engine, model(), self.engine),
+                max_iterations=rollout.max_tool_calling_iterations,
             )
         stops = self.generation_config.stop_strings
         self.ends = CompletionEnds.of(eos_token_ids, stops, tokenizer)
@@ -171,7 +176,7 @@ class RolloutProducer:
         owns the engine (`evaluate()` during training), the sampling runs on the worker's
         thread, in turn with its batches."""
         batch, self._scheduled = self._scheduled, None  # a scheduled batch is taken once
-        if batch is not None and self.args.max_staleness is not None:
+        if batch is not None and self.rollout_settings.max_staleness is not None:
             if rows_have_images(rows):
                 self._check_images_supported()
             rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
@@ -237,7 +242,7 @@ class RolloutProducer:
     def _check_images_supported(self) -> None:
         """Prompts with images go through the transformers engine only, for now: any other
         would sample from their text alone, so it is an error that says so."""
-        unsupported = images_unsupported(self.args, self.engine)
+        unsupported = images_unsupported(self.settings.engine.use_vllm, self.engine)
         if unsupported:
             raise ValueError(unsupported)
 
@@ -249,20 +254,12 @@ class RolloutProducer:
         in eval mode). Sample with `sample`."""
         from .engines import in_eval_mode
 
-        args = SimpleNamespace(  # what a producer without a trainer reads: the defaults
-            **dataclasses.asdict(SamplingSettings()),
-            chat_template_kwargs=chat_template_kwargs,
-            max_prompt_length=None,
-            num_generations=1,
-            num_generations_eval=None,
-            use_vllm=False,
-            cast_lm_head_to_fp32=False,
-            sample_with_merged_adapters="exact",
-            pad_to_multiple_of=None,
-            max_staleness=None,
+        # the records' defaults: transformers in this process, one completion per prompt
+        settings = GenerationSettings(
+            rollout=RolloutSettings(chat_template_kwargs=chat_template_kwargs)
         )
         producer = cls(
-            args,
+            settings,
             tokenizer,
             eos_token_ids(model, tokenizer),
             policy=lambda: in_eval_mode(model),
@@ -276,7 +273,7 @@ class RolloutProducer:
     def _outside_slot(self):
         """The environments' slot of batches sampled outside the training schedule: slot 0 when
         synchronous (free between steps), else one of their own."""
-        return 0 if self.args.max_staleness is None else "outside"
+        return 0 if self.rollout_settings.max_staleness is None else "outside"
 
     def evaluation_engine(self, version: int):
         """The engine to sample with outside the training schedule (evaluations), with the
@@ -361,7 +358,7 @@ class RolloutProducer:
             columns=columns,
             group_size=group_size,
             pad_token_id=self.tokenizer.pad_token_id,
-            pad_to_multiple_of=self.args.pad_to_multiple_of,
+            pad_to_multiple_of=self.rollout_settings.pad_to_multiple_of,
             **fields,
         )
 
@@ -492,7 +489,7 @@ class RolloutProducer:
         if epoch_iterator is not self._lookahead_source:
             self._lookahead_source, self._lookahead, self._upcoming = epoch_iterator, [], {}
             self._requested_rows = {}
-        wanted = num_batches * (self.args.max_staleness + 1)
+        wanted = num_batches * (self.rollout_settings.max_staleness + 1)
         self._lookahead.extend(
             itertools.islice(epoch_iterator, max(wanted - len(self._lookahead), 0))
         )
@@ -509,9 +506,9 @@ class RolloutProducer:
         A multi-turn batch is started (environments reset) when it is requested, on this
         thread; the worker runs its tool loop.
         """
-        args = self.args
+        settings = self.rollout_settings
         pipeline = self._pipeline()
-        seed = generation_seed(args.seed, args.process_index, index, round_index)
+        seed = generation_seed(settings.seed, settings.process_index, index, round_index)
         if round_index > 0:
             batch, staleness = self._generate_now(rows, index, round_index, version, seed)
             index = batch.index
@@ -519,12 +516,12 @@ class RolloutProducer:
             self._upcoming = {i: v for i, v in self._upcoming.items() if i >= index}
             self._requested_rows = {i: v for i, v in self._requested_rows.items() if i >= index}
             self._with_images = {i: v for i, v in self._with_images.items() if i >= index}
-            step_rows = [rows] + self._lookahead[:: args.gradient_accumulation_steps]
+            step_rows = [rows] + self._lookahead[:: settings.gradient_accumulation_steps]
             for ahead, batch_rows in enumerate(step_rows):
                 if index + ahead not in self._upcoming:
-                    batch_seed = generation_seed(args.seed, args.process_index, index + ahead)
+                    batch_seed = generation_seed(settings.seed, settings.process_index, index + ahead)
                     # k + 2 slots: the k + 1 batches in flight and the one scored last
-                    slot = (index + ahead) % (args.max_staleness + 2)
+                    slot = (index + ahead) % (settings.max_staleness + 2)
                     self._upcoming[index + ahead] = self._request(
                         batch_rows, index + ahead, batch_seed, slot
                     )
@@ -542,7 +539,7 @@ class RolloutProducer:
             prompts, environments = self._started.pop(index)
             rollout = self._turns_rollout(
                 rows,
-                args.num_generations,
+                settings.num_generations,
                 prompts,
                 batch.prompt_ids,
                 batch.prompt_mask,
@@ -566,7 +563,7 @@ class RolloutProducer:
     def _generate_now(self, rows, index: int, round_index: int, version: int, seed: int):
         """A batch outside the schedule from the current weights (a dynamic-sampling round, or
         rows changed after they were sent ahead), under an index no step has."""
-        extra = -(index * (self.args.max_resample_rounds + 1) + round_index) - 1
+        extra = -(index * (self.rollout_settings.max_resample_rounds + 1) + round_index) - 1
         request = self._request(rows, extra, seed, slot="resample")
         return self.pipeline.generate_now(extra, version, *request)
 
@@ -593,7 +590,7 @@ class RolloutProducer:
             return encoded, seed
         if self.tool_loop is None:
             return self.encode(rows), seed
-        group = self.args.num_generations
+        group = self.rollout_settings.num_generations
         prompts, tools, environments, encoded = self._start_turns(rows, group, slot)
         self._started[index] = (prompts, environments)
         return encoded, seed, tools
@@ -646,7 +643,7 @@ class RolloutProducer:
     def _pipeline(self) -> RolloutPipeline:
         if self.pipeline is not None:
             return self.pipeline
-        engine, owned = build_rollout_engine(self.args, self.engine, self.model)
+        engine, owned = build_rollout_engine(self.settings.engine, self.engine, self.model)
         if owned:
             self._rollout_engine = engine
         tool_loop = None if self.tool_loop is None else self.tool_loop.with_own_tokenizer()
@@ -656,7 +653,7 @@ class RolloutProducer:
         # Its in-flight batches go into checkpoints (`in_flight`).
         worker = ResumableWorker(worker, restored=self._restored)
         self._restored = None
-        self.pipeline = RolloutPipeline(worker, self.args.max_staleness)
+        self.pipeline = RolloutPipeline(worker, self.rollout_settings.max_staleness)
         return self.pipeline
 
 
@@ -677,13 +674,11 @@ def _columns(rows: list[dict], group: int) -> dict[str, list]:
     }
 
 
-def _max_model_len(args, model, engine) -> int:
+def _max_model_len(settings, model, engine) -> int:
     """The longest sequence the engine takes: the smaller of a vLLM server's own
     `--max-model-len` (which the trainer's settings cannot change) and `vllm_max_model_length`
-    when either is known, else the model's position limit."""
-    limits = [getattr(engine, "max_model_len", None)]
-    if args.use_vllm:
-        limits.append(args.vllm_max_model_length)
+    (`settings.max_model_len`) when either is known, else the model's position limit."""
+    limits = [getattr(engine, "max_model_len", None), settings.max_model_len]
     limits = [limit for limit in limits if limit]
     if limits:
         return min(limits)
