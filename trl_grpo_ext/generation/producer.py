@@ -519,7 +519,9 @@ class RolloutProducer:
             step_rows = [rows] + self._lookahead[:: settings.gradient_accumulation_steps]
             for ahead, batch_rows in enumerate(step_rows):
                 if index + ahead not in self._upcoming:
-                    batch_seed = generation_seed(settings.seed, settings.process_index, index + ahead)
+                    batch_seed = generation_seed(
+                        settings.seed, settings.process_index, index + ahead
+                    )
                     # k + 2 slots: the k + 1 batches in flight and the one scored last
                     slot = (index + ahead) % (settings.max_staleness + 2)
                     self._upcoming[index + ahead] = self._request(
