@@ -52,10 +52,10 @@ def trainer_config(model, args: GroupRelativeConfig | None) -> GroupRelativeConf
 def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     """The run's `tools.Agent` when it has tools or environments, else None. Checks what they
     cannot be combined with."""
-    if rollout_func is not None and args.max_staleness is not None:
+    if rollout_func is not None and args.max_staleness:
         raise ValueError(
-            "rollout_func samples in the training process: unset max_staleness, whose rollout "
-            "worker would sample without it."
+            "rollout_func samples in the training process: unset max_staleness (or set it to 0), "
+            "whose rollout worker would sample without it."
         )
     if not tools and environment_factory is None:
         return None

@@ -36,7 +36,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -373,20 +372,22 @@ def build_engine(
 def build_rollout_engine(settings: EngineSettings, engine: Engine, model) -> tuple[Engine, bool]:
     """The engine of the asynchronous rollout worker (`max_staleness`): the engine itself when it
     has its own weights (vLLM), else transformers in a process of its own (`ProcessEngine`)
-    with a copy of the model, sent the trained parameters of each version. Returns
-    `(engine, owned)`; `owned`: a new engine, closed with the worker."""
+    with a copy of the model on the CPU, sent the trained parameters of each version. A model
+    on an accelerator is never copied to the CPU: without vLLM that is an error naming the
+    settings that work. Returns `(engine, owned)`; `owned`: a new engine, closed with the
+    worker."""
     if engine.own_weights:
         return engine, False
     from .process_worker import ParameterPublisher, ProcessEngine
 
     unwrapped = model()
     if unwrapped.device.type != "cpu":
-        warnings.warn(
-            f"max_staleness is set and the model is on {unwrapped.device}: the local rollout "
-            "worker generates with a copy of the model on the CPU, which is likely slower than "
-            "synchronous generation on the accelerator. Unset max_staleness to generate there, or "
-            "generate on a vLLM server (use_vllm=True, vllm_mode='server').",
-            stacklevel=4,
+        raise ValueError(
+            f"max_staleness >= 1 samples ahead of training, and the model is on "
+            f"{unwrapped.device}: without a vLLM engine that would need a copy of the model on the "
+            "CPU, far slower than sampling on the accelerator. Sample with vLLM (use_vllm=True, "
+            "vllm_mode='server' or 'colocate'), or set max_staleness=0 (or leave it unset) to "
+            "sample on the model's device between optimizer steps."
         )
     process = ProcessEngine(
         unwrapped, settings.rollout_worker_threads, settings.sample_with_merged_adapters

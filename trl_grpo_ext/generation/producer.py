@@ -176,11 +176,16 @@ class RolloutProducer:
         owns the engine (`evaluate()` during training), the sampling runs on the worker's
         thread, in turn with its batches."""
         batch, self._scheduled = self._scheduled, None  # a scheduled batch is taken once
-        if batch is not None and self.rollout_settings.max_staleness is not None:
+        if batch is not None and self.rollout_settings.max_staleness:
             if rows_have_images(rows):
                 self._check_images_supported()
             rollout, batch.staleness = self.consume(rows, batch.index, version, batch.round_index)
             return rollout
+        if batch is not None and self.rollout_settings.max_staleness == 0:
+            # k = 0 waits for each batch right after publishing the weights: the synchronous
+            # trainer itself, sampling here, whose staleness is 0
+            batch.staleness = 0
+            self.staleness_counts[0] = self.staleness_counts.get(0, 0) + 1
         seed = None
         if self.engine.own_weights:
             seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -273,7 +278,7 @@ class RolloutProducer:
     def _outside_slot(self):
         """The environments' slot of batches sampled outside the training schedule: slot 0 when
         synchronous (free between steps), else one of their own."""
-        return 0 if self.rollout_settings.max_staleness is None else "outside"
+        return "outside" if self.rollout_settings.max_staleness else 0
 
     def evaluation_engine(self, version: int):
         """The engine to sample with outside the training schedule (evaluations), with the
