@@ -102,14 +102,27 @@ def run_trainer(tmp_path, **config):
     return trainer, weights
 
 
+class Recording(GroupRelativeTrainer):
+    """Keeps every rollout `generate_rollouts` returns."""
+
+    def generate_rollouts(self, rows):
+        rollout = super().generate_rollouts(rows)
+        self.recorded = [*getattr(self, "recorded", []), rollout]
+        return rollout
+
+
 def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
     """max_staleness 0 waits for each batch right after publishing the weights: it is the
     synchronous trainer's own path, the same tokens, no behaviour log-probs in either (so no
     importance weights), the same losses and weights bit for bit; only the staleness is
     logged."""
-    sync, sync_weights = run_trainer(tmp_path / "sync")
-    worker, worker_weights = run_trainer(tmp_path / "k0", max_staleness=0)
-    assert logged(worker, "reward") == logged(sync, "reward")  # the same tokens were sampled
+    sync, sync_weights = run_trainer(tmp_path / "sync", trainer_class=Recording)
+    worker, worker_weights = run_trainer(tmp_path / "k0", trainer_class=Recording, max_staleness=0)
+    assert len(worker.recorded) == len(sync.recorded) == 5
+    for got, want in zip(worker.recorded, sync.recorded):
+        assert torch.equal(got.completion_ids, want.completion_ids)  # the same tokens
+        assert got.behaviour_logps is None and want.behaviour_logps is None
+    assert logged(worker, "reward") == logged(sync, "reward")
     assert logged(worker, "loss") == logged(sync, "loss")
     for name, value in sync_weights.items():
         assert torch.equal(worker_weights[name], value), name

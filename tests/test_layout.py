@@ -192,3 +192,13 @@ def test_the_config_walk_finds_reads_outside_the_builders():
         "line 2: args.seed",
         "line 2: config.use_vllm",
     ]
+
+
+def test_images_code_never_calls_back_into_the_producer():
+    """The producer asks `images.py` once for a batch's fields and their per-sample split
+    (`images.encode_with_images`); images code imports none of the modules that sample."""
+    names = imported_modules(
+        (PACKAGE / "generation" / "images.py").read_text(), "trl_grpo_ext.generation.images"
+    )
+    callers = ("producer", "requests", "ahead", "engines", "multi_turn", "assembly")
+    assert not {n for n in names if n.rpartition(".")[2] in callers}

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .requests import run_request
 from .transformers_engine import TransformersEngine
 from .weights import WeightPublisher
 
@@ -151,17 +152,10 @@ class EngineWorker:
 
         self._raise_failure()
         version = self.engine.version  # no update runs on this thread until the batch is done
-        if tools is None:
-            prompt_ids, prompt_mask, *images = prompts  # images: the processor's fields, if any
-            tensors = self.engine.generate(
-                prompt_ids, prompt_mask, self.generation_config, seed, *images
-            )
-            return GeneratedBatch(index, version, *tensors)
-        prompt_ids, prompt_mask, *images = prompts  # images: the rollouts' fields, if any
-        turns = self.tool_loop.run(
-            self.engine, self.generation_config, seed, prompt_ids, prompt_mask, tools, *images
+        generated = run_request(
+            self.engine, self.generation_config, seed, prompts, tools, self.tool_loop
         )
-        return GeneratedBatch(index, version, prompt_ids, prompt_mask, None, None, turns=turns)
+        return GeneratedBatch(index, version, *generated)
 
     def result(self, index: int):
         return self._futures.pop(index).result()
