@@ -147,3 +147,34 @@ def test_every_evaluation_samples_through_generate_rollouts(tmp_path, trainer_cl
     assert trainer.evaluate()["eval_reward"] == expected
     report = evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
     assert report.greedy_lenient == expected
+
+
+@pytest.mark.parametrize("max_staleness", [None, 1])
+def test_training_and_every_evaluation_build_one_request_per_batch(
+    tmp_path, monkeypatch, max_staleness
+):
+    """Every batch, sampled in this process or by the rollout worker, in training or in an
+    evaluation, is built by the one `RequestBuilder` (prompts encoded once, each batch once)."""
+    from trl_grpo_ext.evaluation import evaluate_on_processes
+    from trl_grpo_ext.generation import requests
+
+    built = []
+    build = requests.RequestBuilder.build
+
+    def counting(self, rows, group, slot=0):
+        built.append((len(rows), group))
+        return build(self, rows, group, slot)
+
+    monkeypatch.setattr(requests.RequestBuilder, "build", counting)
+    dataset = digit_sums(2)  # 4 rows
+    trainer = make_trainer(tmp_path, max_steps=1, max_staleness=max_staleness)
+    trainer.train()
+    # 8 completions of 2 prompts per step; the worker also requests the next step's batch
+    assert built == [(2, 4)] * (1 if max_staleness is None else 2)
+    built.clear()
+    trainer.evaluate(dataset)
+    assert built and all(group == 4 for _, group in built)
+    assert sum(rows for rows, _ in built) == 4
+    built.clear()
+    evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
+    assert built == [(4, 1)]  # greedy: one completion per prompt, one batch
