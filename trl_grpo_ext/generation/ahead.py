@@ -121,8 +121,17 @@ class RolloutsAhead:
             pipeline.sent_version = version
         return self.engine_worker.call(function)
 
-    def worker(self) -> ResumableWorker | None:
-        return self.pipeline.worker if self.pipeline is not None else None
+    def in_flight(self) -> dict:
+        """The batches requested from the rollout worker and not consumed yet (for checkpoints);
+        multi-turn batches are left out (`not_kept`)."""
+        worker = self.pipeline.worker if self.pipeline is not None else None
+        return worker.in_flight() if isinstance(worker, ResumableWorker) else {}
+
+    def not_kept(self) -> list[int]:
+        """The multi-turn batches in flight, which a checkpoint cannot hold: their environments
+        are live objects. A run resumed from it samples them again, with the restored weights."""
+        worker = self.pipeline.worker if self.pipeline is not None else None
+        return worker.not_kept() if isinstance(worker, ResumableWorker) else []
 
     def start(self) -> RolloutPipeline:
         """The pipeline and its rollout worker, started on first use."""
@@ -153,3 +162,19 @@ class RolloutsAhead:
             if self._rollout_engine is not None:
                 self._rollout_engine.close()
                 self._rollout_engine = None
+
+
+class OnWorkerThread:
+    """The producer's engine seen from another thread while the rollout worker owns it: each
+    `generate` runs on the worker's thread, with the weights of `version`."""
+
+    def __init__(self, ahead: RolloutsAhead, engine, version: int):
+        self.ahead, self.engine, self.version = ahead, engine, version
+
+    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
+        images = () if image_inputs is None else (image_inputs,)  # a text-only engine need not
+        generate = self.engine.generate
+        return self.ahead.on_worker_thread(
+            self.version,
+            lambda: generate(prompt_ids, prompt_mask, generation_config, seed, *images),
+        )

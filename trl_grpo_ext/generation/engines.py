@@ -416,3 +416,15 @@ def _vllm_engine(settings: EngineSettings, model_folder, lora_rank):
     # the engine keeps the folder, so a temporary copy lives as long as the engine
     colocate = dataclasses.replace(settings.colocate, max_lora_rank=lora_rank)
     return VLLMColocateEngine(model_folder, colocate)
+
+
+def max_model_len(settings, model, engine) -> int:
+    """The longest sequence the engine takes: the smaller of a vLLM server's own
+    `--max-model-len` (which the trainer's settings cannot change) and `vllm_max_model_length`
+    (`settings.max_model_len`) when either is known, else the model's position limit."""
+    limits = [getattr(engine, "max_model_len", None), settings.max_model_len]
+    limits = [limit for limit in limits if limit]
+    if limits:
+        return min(limits)
+    config = getattr(model.config, "text_config", None) or model.config
+    return getattr(config, "max_position_embeddings", None) or 2**31

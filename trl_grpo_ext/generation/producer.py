@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .ahead import RolloutsAhead
+from .ahead import OnWorkerThread, RolloutsAhead
 from .assembly import RolloutAssembler
-from .async_rollout import GeneratedBatch, ResumableWorker, RolloutPipeline
-from .engines import build_engine
+from .async_rollout import GeneratedBatch, RolloutPipeline
+from .engines import build_engine, max_model_len
 from .images import image_token_id, images_unsupported
 from .multi_turn import ToolCallFormat, ToolLoop
 from .prompts import PromptEncoder
@@ -115,7 +115,7 @@ class RolloutProducer:
                 stop_strings=self.generation_config.stop_strings,
                 pad_token_id=tokenizer.pad_token_id,
                 max_completion_length=settings.sampling.max_completion_length,
-                max_model_len=_max_model_len(settings.engine, model(), self.engine),
+                max_model_len=max_model_len(settings.engine, model(), self.engine),
                 max_iterations=rollout.max_tool_calling_iterations,
             )
         stops = self.generation_config.stop_strings
@@ -249,7 +249,7 @@ class RolloutProducer:
         weights of `version`: published now, or, while the asynchronous worker owns the engine,
         published and sampled on the worker's thread, so that one thread alone uses the engine."""
         if self.ahead.engine_worker is not None:
-            return _OnWorkerThread(self.ahead, self.engine, version)
+            return OnWorkerThread(self.ahead, self.engine, version)
         self.publish(version)
         return self.engine
 
@@ -300,25 +300,13 @@ class RolloutProducer:
     def _pipeline(self) -> RolloutPipeline:
         return self.ahead.start()
 
-    def in_flight(self) -> dict:
-        """The batches requested from the rollout worker and not consumed yet (for checkpoints);
-        multi-turn batches are left out (`not_kept`)."""
-        worker = self.ahead.worker()
-        return worker.in_flight() if isinstance(worker, ResumableWorker) else {}
-
-    def not_kept(self) -> list[int]:
-        """The multi-turn batches in flight, which a checkpoint cannot hold: their environments
-        are live objects. A run resumed from it samples them again, with the restored weights."""
-        worker = self.ahead.worker()
-        return worker.not_kept() if isinstance(worker, ResumableWorker) else []
-
     def state(self) -> dict:
         """What a checkpoint holds of the producer: `in_flight` (the batches the rollout worker
         was asked for and not consumed; waits for them), `not_kept` (multi-turn ones among them,
         which cannot be stored) and `staleness_counts` (not logged yet)."""
         return {
-            "in_flight": self.in_flight(),
-            "not_kept": self.not_kept(),
+            "in_flight": self.ahead.in_flight(),
+            "not_kept": self.ahead.not_kept(),
             "staleness_counts": dict(self.staleness_counts),
         }
 
@@ -348,31 +336,3 @@ class ScheduledBatch:
     index: int
     round_index: int = 0
     staleness: int | None = None
-
-
-def _max_model_len(settings, model, engine) -> int:
-    """The longest sequence the engine takes: the smaller of a vLLM server's own
-    `--max-model-len` (which the trainer's settings cannot change) and `vllm_max_model_length`
-    (`settings.max_model_len`) when either is known, else the model's position limit."""
-    limits = [getattr(engine, "max_model_len", None), settings.max_model_len]
-    limits = [limit for limit in limits if limit]
-    if limits:
-        return min(limits)
-    config = getattr(model.config, "text_config", None) or model.config
-    return getattr(config, "max_position_embeddings", None) or 2**31
-
-
-class _OnWorkerThread:
-    """The producer's engine seen from another thread while the rollout worker owns it: each
-    `generate` runs on the worker's thread, with the weights of `version`."""
-
-    def __init__(self, ahead: RolloutsAhead, engine, version: int):
-        self.ahead, self.engine, self.version = ahead, engine, version
-
-    def generate(self, prompt_ids, prompt_mask, generation_config, seed=None, image_inputs=None):
-        images = () if image_inputs is None else (image_inputs,)  # a text-only engine need not
-        generate = self.engine.generate
-        return self.ahead.on_worker_thread(
-            self.version,
-            lambda: generate(prompt_ids, prompt_mask, generation_config, seed, *images),
-        )
