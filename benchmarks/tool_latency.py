@@ -262,7 +262,6 @@ def _train(spec: dict, timers: _Timers) -> dict:
 
     # the trainer's thread: waiting for a batch (sampled now, or by the rollout worker)
     timers.wrap(RolloutProducer, "generate", "wait")
-    timers.wrap(RolloutProducer, "consume", "wait")
     # whoever samples (the trainer's thread, or the rollout worker's): engine and tool rounds
     timers.wrap(TransformersEngine, "generate", "generate")
     timers.wrap(ProcessEngine, "generate", "generate")

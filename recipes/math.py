@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeTrainer
-from trl_grpo_ext.checkpoints import resolve_resume
+from trl_grpo_ext.checkpoints import resolve_resume, start_metrics_log
 from trl_grpo_ext.data import (
     check_chat_template,
     dataset_hub_id,
@@ -42,7 +42,6 @@ from trl_grpo_ext.evaluation import (
     before_after_table,
     draw_reward_curve,
     evaluate_on_processes,
-    start_metrics_log,
 )
 from trl_grpo_ext.memory_plan import recipe_memory_plan
 from trl_grpo_ext.script_args import (
@@ -143,10 +142,10 @@ def main(script_args, training_args, model_args, dataset_args=None):
         best_dir=os.path.join(training_args.output_dir, "best") if script_args.keep_best else None,
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
-        # The trainer's producer (its engine: vLLM, or transformers with ZeRO-3 weights
-        # gathered; its tools, as in training) and its saving (sharded weights gathered): every
-        # process evaluates a shard and saves.
-        producer=lambda: trainer.rollouts,
+        # The trainer's generate_rollouts (its engine: vLLM, or transformers with ZeRO-3
+        # weights gathered; its tools, as in training) and its saving (sharded weights
+        # gathered): every process evaluates a shard and saves.
+        trainer=lambda: trainer,
         save_model=lambda folder: trainer.save_model(folder),
         skip_last_step=True,  # the final evaluation below scores the same weights
     )

@@ -29,10 +29,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
-from trl_grpo_ext.checkpoints import resolve_resume
+from trl_grpo_ext.checkpoints import resolve_resume, start_metrics_log
 from trl_grpo_ext.data import dataset_hub_id, load_vision_math_dataset, split_held_out
 from trl_grpo_ext.eval_rewards import HeldOutRewardCallback, rewards_table
-from trl_grpo_ext.evaluation import MetricsJsonlCallback, draw_reward_curve, start_metrics_log
+from trl_grpo_ext.evaluation import MetricsJsonlCallback, draw_reward_curve
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
     VisionMathScriptArguments,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from trainer_helpers import logged, make_trainer, right_digit
 
 from trl_grpo_ext import GroupRelativeTrainer
+from trl_grpo_ext.generation import process_worker
 from trl_grpo_ext.generation.async_rollout import GeneratedBatch, RolloutPipeline
 
 # ----------------------------------------------------------------------------- staleness bound
@@ -101,41 +102,44 @@ def run_trainer(tmp_path, **config):
     return trainer, weights
 
 
+class Recording(GroupRelativeTrainer):
+    """Keeps every rollout `generate_rollouts` returns."""
+
+    def generate_rollouts(self, rows):
+        rollout = super().generate_rollouts(rows)
+        self.recorded = [*getattr(self, "recorded", []), rollout]
+        return rollout
+
+
 def test_staleness_zero_is_the_synchronous_trainer_exactly(tmp_path):
-    sync, sync_weights = run_trainer(tmp_path / "sync")
-    worker, worker_weights = run_trainer(tmp_path / "k0", max_staleness=0)
-    assert logged(worker, "reward") == logged(sync, "reward")  # the same tokens were sampled
-    # The worker's log-probs come from its sampling pass, the trainer's from a training pass:
-    # equal up to float rounding, so the losses and weights agree to rounding, not bit for bit.
-    # The default correction weighs each sequence by the product of its 4 token ratios, each 1 up
-    # to about 1e-6, so the losses differ by a few 1e-6.
-    assert logged(worker, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-5)
-    # Adam divides each gradient by its running scale, so where a weight's gradient is near zero a
-    # rounding difference moves it by a visible share of a step (lr 1e-2: seen 2.7e-5 once in 512
-    # weights after 5 steps); 1e-4 is 1% of one step.
+    """max_staleness 0 waits for each batch right after publishing the weights: it is the
+    synchronous trainer's own path, the same tokens, no behaviour log-probs in either (so no
+    importance weights), the same losses and weights bit for bit; only the staleness is
+    logged."""
+    sync, sync_weights = run_trainer(tmp_path / "sync", trainer_class=Recording)
+    worker, worker_weights = run_trainer(tmp_path / "k0", trainer_class=Recording, max_staleness=0)
+    assert len(worker.recorded) == len(sync.recorded) == 5
+    for got, want in zip(worker.recorded, sync.recorded):
+        assert torch.equal(got.completion_ids, want.completion_ids)  # the same tokens
+        assert got.behaviour_logps is None and want.behaviour_logps is None
+    assert logged(worker, "reward") == logged(sync, "reward")
+    assert logged(worker, "loss") == logged(sync, "loss")
     for name, value in sync_weights.items():
-        torch.testing.assert_close(worker_weights[name], value, rtol=1e-5, atol=1e-4)
-    # No optimizer step between generation and training: the importance weights are 1.
-    # (Steps whose groups all have zero advantages skip the loss and log no weights.)
-    for key in (
-        "sampling/importance_sampling_ratio/mean",
-        "sampling/importance_sampling_ratio/max",
-    ):
-        values = logged(worker, key)
-        assert len(values) >= 3 and values == pytest.approx([1.0] * len(values), abs=1e-5)
+        assert torch.equal(worker_weights[name], value), name
+    for trainer in (sync, worker):
+        assert not logged(trainer, "sampling/importance_sampling_ratio/mean")
+        assert trainer.rollouts.pipeline is None  # no rollout worker, no copy of the model
     assert logged(worker, "async/staleness") == [0.0] * 5
 
 
 def test_a_spawned_worker_samples_a_full_fine_tune_with_gradient_checkpointing(tmp_path):
     """`rollout_worker_threads: 2` spawns the worker (as a trainer on CUDA does), which gets the
-    model pickled: gradient checkpointing's hooks on it failed to pickle. At staleness 0 the
-    worker samples the tokens the synchronous trainer samples."""
-    options = dict(peft=False, gradient_checkpointing=True)
-    sync, _ = run_trainer(tmp_path / "sync", **options)
-    spawned, _ = run_trainer(
-        tmp_path / "spawned", max_staleness=0, rollout_worker_threads=2, **options
-    )
-    assert logged(spawned, "reward") == logged(sync, "reward")
+    model pickled: gradient checkpointing's hooks on it failed to pickle. The spawned worker
+    samples the tokens a forked one samples."""
+    options = dict(peft=False, gradient_checkpointing=True, max_staleness=1)
+    forked, _ = run_trainer(tmp_path / "forked", **options)
+    spawned, _ = run_trainer(tmp_path / "spawned", rollout_worker_threads=2, **options)
+    assert logged(spawned, "reward") == logged(forked, "reward")
     assert spawned.model.get_input_embeddings()._forward_hooks  # the trained model's, kept
 
 
@@ -151,8 +155,8 @@ def test_async_runs_with_bounded_staleness_and_logs_it(tmp_path, max_staleness):
 
 class ShiftedBehaviour(GroupRelativeTrainer):
     """Makes the worker's log-probs of the first completion token lower by log 2 in even rows
-    and by log 4 in odd ones, so that at staleness 0 (pi_old = mu up to rounding) the sequence
-    ratios pi_old / mu are 2 and 4."""
+    and by log 4 in odd ones, so that at staleness 0 (the first batch of max_staleness 1:
+    pi_old = mu up to rounding) the sequence ratios pi_old / mu are 2 and 4."""
 
     def score_rollouts(self, rollout):
         assert rollout.behaviour_logps is not None  # sampled by the worker, which scores them
@@ -173,7 +177,7 @@ def test_worker_rollouts_get_trls_correction_and_metrics(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
     trainer = make_trainer(
-        tmp_path, trainer_class=ShiftedBehaviour, max_staleness=0, max_steps=2, seed=1
+        tmp_path, trainer_class=ShiftedBehaviour, max_staleness=1, max_steps=1, seed=1
     )
     assert not trainer.args.use_vllm
     trainer.train()
@@ -294,16 +298,20 @@ def test_async_options_are_validated(tmp_path):
         make_trainer(tmp_path, off_policy_correction="ppo")
 
 
-def test_async_warns_when_the_model_is_on_an_accelerator(tmp_path, monkeypatch):
-    """The local worker generates on the CPU; with the model on a GPU that is a slowdown the
-    user should hear about."""
+def test_with_staleness_a_model_on_an_accelerator_is_never_copied_to_the_cpu(tmp_path, monkeypatch):
+    """Without a vLLM engine the rollout worker would sample with a copy of the model on the
+    CPU: for a model on a GPU that is an error naming the settings that work, before any copy
+    (the rollout worker's process is never started)."""
     trainer = make_trainer(tmp_path, max_staleness=1, max_steps=1)
     model_class = type(trainer.accelerator.unwrap_model(trainer.model))
     cuda = property(lambda self: torch.device("cuda", 0))
     monkeypatch.setattr(model_class, "device", cuda, raising=False)
+    started = []
+    monkeypatch.setattr(process_worker, "ProcessEngine", lambda *a, **k: started.append(a))
     try:
-        with pytest.warns(UserWarning, match="on cuda:0: the local rollout worker generates"):
+        with pytest.raises(ValueError, match="on cuda:0.*use_vllm=True.*max_staleness=0"):
             trainer.rollouts._pipeline()
+        assert not started
     finally:
         monkeypatch.undo()
         trainer.rollouts.close()

@@ -13,6 +13,7 @@ from trainer_helpers import digit_sums, logged, make_trainer
 import trl_grpo_ext.generation.producer as producer_module
 import trl_grpo_ext.trainer as trainer_module
 from trl_grpo_ext.generation.engines import build_engine, in_eval_mode
+from trl_grpo_ext.generation.settings import EngineSettings
 from trl_grpo_ext.generation.transformers_engine import (
     TransformersEngine,
     generate_with_transformers,
@@ -147,8 +148,9 @@ def test_asynchronous_rollouts_on_an_engine_keep_the_staleness_bound(tmp_path, c
 def test_a_server_serves_adapters_only(tmp_path):
     args = make_trainer(tmp_path, max_steps=1).args
     args.use_vllm, args.vllm_mode = True, "server"
+    settings = EngineSettings.from_config(args)
     with pytest.raises(ValueError, match="full fine-tuning cannot be served"):
-        build_engine(args, policy=None, model=None, model_folder=None, lora_rank=None)
+        build_engine(settings, policy=None, model=None, model_folder=None, lora_rank=None)
 
 
 @pytest.mark.parametrize(
@@ -159,8 +161,7 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
     monkeypatch, world_size, process_index, name
 ):
     """Two processes loading (and unloading) the same adapter name on one server collide."""
-    from types import SimpleNamespace
-
+    from trl_grpo_ext import GroupRelativeConfig
     from trl_grpo_ext.generation.vllm_server import VLLMServerEngine
 
     monkeypatch.setattr(VLLMServerEngine, "wait_until_ready", lambda self: None)
@@ -169,15 +170,18 @@ def test_training_processes_sharing_a_server_publish_under_their_own_names(
     monkeypatch.setattr(
         VLLMServerEngine, "_request", lambda self, path, payload: loaded.append(payload)
     )
-    args = SimpleNamespace(
+    args = GroupRelativeConfig(
+        "unused",
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url="http://server:8000",
         vllm_server_timeout=1.0,
-        world_size=world_size,
-        process_index=process_index,
+        report_to="none",
     )
-    engine = build_engine(args, policy=None, model=None, model_folder=None, lora_rank=8)
+    monkeypatch.setattr(type(args), "world_size", world_size)
+    monkeypatch.setattr(type(args), "process_index", process_index)
+    settings = EngineSettings.from_config(args)
+    engine = build_engine(settings, policy=None, model=None, model_folder=None, lora_rank=8)
     assert engine.own_weights and engine.publisher.engine is engine and engine.publisher.is_adapter
     engine.publish_adapter("folder", 3)
     assert engine.base_url == "http://server:8000"
@@ -237,7 +241,7 @@ def evaluate_every_step_on_the_engine(trainer, dataset):
         dataset,
         eval_every=1,
         max_new_tokens=2,
-        producer=lambda: trainer.rollouts,
+        trainer=lambda: trainer,
     )
     trainer.add_callback(periodic)
     return periodic

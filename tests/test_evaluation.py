@@ -211,12 +211,12 @@ def test_on_a_trainer_the_harness_ends_completions_as_training_does(tmp_path):
         tokenizer,
         problems["prompt"],
         max_new_tokens=8,
-        producer=trainer.rollouts,
+        trainer=trainer,
         rows=problems.to_list(),
     )
     assert completions == [["so 5</a>"]] and counts == [[len(stopped)]]
     assert truncated == [[False]]
-    rollout = trainer.rollouts.sample(problems.to_list(), trainer.rollouts.sampling, 0)
+    rollout = trainer.generate_rollouts(problems.to_list())
     assert rollout.completions[0] == "so 5</a>" and not rollout.is_truncated.any()
     report = evaluation.evaluate_on_processes(trainer, problems, max_new_tokens=8, num_examples=1)
     assert report.truncated_fraction == 0.0 and report.mean_completion_tokens == len(stopped)

@@ -6,6 +6,7 @@ rows; and `internals.py`, the table of fast paths on libraries' private internal
 imports nothing from the package."""
 
 import ast
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -191,3 +192,90 @@ def test_the_walk_measures_functions_and_methods_at_any_depth():
         "outer": MAX_FUNCTION_LINES + 3,
         "outer.inner": MAX_FUNCTION_LINES + 1,
     }
+
+
+def test_the_evaluation_harness_imports_nothing_from_training():
+    """`evaluation.py` evaluates any model: it may sample with a trainer it is given (through
+    the trainer's public `generate_rollouts`), but imports none of the training modules."""
+    names = imported_modules((PACKAGE / "evaluation.py").read_text(), "trl_grpo_ext.evaluation")
+    training = ("trl_grpo_ext.trainer", "trl_grpo_ext.checkpoints", "trl_grpo_ext.models")
+    assert not {n for n in names if n in training or n == "trl_grpo_ext"}
+    # the walk finds such an import inside a function too
+    found = imported_modules("def f():\n    from .checkpoints import x", "trl_grpo_ext.evaluation")
+    assert "trl_grpo_ext.checkpoints" in found
+
+
+def config_fields() -> set[str]:
+    from trl_grpo_ext import GroupRelativeConfig
+
+    return {f.name for f in dataclasses.fields(GroupRelativeConfig)}
+
+
+def config_reads(source: str, fields: set[str]) -> list[str]:
+    """The reads of a configuration field (`args.x`, `config.x`, `self.args.x`,
+    `getattr(args, "x")`) in `source` outside the record builders (`from_config`)."""
+    found = []
+
+    def visit(node, in_builder=False):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_builder = in_builder or node.name == "from_config"
+        if not in_builder:
+            owner = name = None
+            if isinstance(node, ast.Attribute):
+                owner, name = node.value, node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                owner, name = node.args[0], node.args[1].value
+            if isinstance(owner, ast.Attribute) and owner.attr == "args":
+                owner = ast.Name(id="args")
+            if isinstance(owner, ast.Name) and owner.id in ("args", "config") and name in fields:
+                found.append(f"line {node.lineno}: {owner.id}.{name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_builder)
+
+    visit(ast.parse(source))
+    return found
+
+
+@pytest.mark.parametrize(
+    "path", sorted((PACKAGE / "generation").glob("*.py")), ids=lambda path: path.name
+)
+def test_generation_reads_the_config_only_in_its_record_builders(path):
+    """Settings travel as typed records built once (`generation/settings.py`): a module that
+    read `args.x` itself would fail wherever a producer has no config (the evaluation harness
+    on a bare model)."""
+    source = path.read_text(encoding="utf-8")
+    assert not config_reads(source, config_fields())
+    assert "SimpleNamespace" not in source
+
+
+def test_the_config_walk_finds_reads_outside_the_builders():
+    fields = {"max_staleness", "use_vllm", "seed"}
+    source = (
+        "def f(args, config, self):\n"
+        "    args.max_staleness, self.args.seed, getattr(config, 'use_vllm')\n"
+        "    config.hidden_size, generation_config.seed\n"
+        "class Settings:\n"
+        "    def from_config(cls, args):\n"
+        "        return args.seed\n"
+    )
+    assert config_reads(source, fields) == [
+        "line 2: args.max_staleness",
+        "line 2: args.seed",
+        "line 2: config.use_vllm",
+    ]
+
+
+def test_images_code_never_calls_back_into_the_producer():
+    """The producer asks `images.py` once for a batch's fields and their per-sample split
+    (`images.encode_with_images`); images code imports none of the modules that sample."""
+    names = imported_modules(
+        (PACKAGE / "generation" / "images.py").read_text(), "trl_grpo_ext.generation.images"
+    )
+    callers = ("producer", "requests", "ahead", "engines", "multi_turn", "assembly")
+    assert not {n for n in names if n.rpartition(".")[2] in callers}

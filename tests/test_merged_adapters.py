@@ -224,6 +224,7 @@ def test_low_precision_weights_merge_when_asked_rounded_once(dtype):
 def test_the_trainer_samples_merged_in_bf16_when_asked(tmp_path):
     from trl_grpo_ext import GroupRelativeConfig
     from trl_grpo_ext.generation.engines import build_engine
+    from trl_grpo_ext.generation.settings import EngineSettings
 
     model, tokenizer = lora_model(torch.bfloat16)
     seen = merged_states(model)
@@ -233,7 +234,8 @@ def test_the_trainer_samples_merged_in_bf16_when_asked(tmp_path):
         args = GroupRelativeConfig(
             output_dir=str(tmp_path), sample_with_merged_adapters=setting, report_to=[]
         )
-        engine = build_engine(args, Policy(model), lambda: model, None, 4, tokenizer)
+        settings = EngineSettings.from_config(args)
+        engine = build_engine(settings, Policy(model), lambda: model, None, 4, tokenizer)
         engine.generate(prompt_ids, prompt_mask, config, seed=1)
         assert seen and all(merged is expected for merged in seen), setting
         seen.clear()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from logprob_helpers import processed_logprobs_by_hand
 
 from trl_grpo_ext.generation import PromptEncoder, sampling_config
 from trl_grpo_ext.generation.process_worker import ParameterPublisher, ProcessEngine
@@ -240,3 +241,37 @@ def test_a_spawned_worker_samples_a_checkpointed_model_and_a_vision_language_one
     printed = run_script(tmp_path, SPAWNED)
     assert "gradient checkpointing: same samples" in printed
     assert "vision-language model: same samples" in printed
+
+
+FILTERED = {"temperature": 0.8, "top_k": 6, "top_p": 0.7}
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_behaviour_logprobs_are_those_of_the_filtered_distribution(group_size):
+    """With top-k and top_p < 1, each sampled token's log-prob is taken under the distribution
+    it was drawn from (filtered, renormalised), as TRL asks vLLM for them, by the sampling
+    function of the transformers engine (prompts encoded once, G = 3; or one row each) and by
+    the process engine, against a hand computation from the model's logits."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=0)
+    model.eval()
+    config = sampling_config(
+        max_new_tokens=5,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        num_return_sequences=group_size,
+        **FILTERED,
+    )
+    prompts = PromptEncoder(tokenizer).encode(PROMPTS)
+    here = in_this_process(model, prompts, config, seed=5)
+    engine = ProcessEngine(model, threads=1)
+    try:
+        there = engine.generate(*prompts, config, seed=5)
+    finally:
+        engine.close()
+    assert_same_batch(there, here, config.eos_token_id)
+    mask, _ = completion_mask_from_ids(here[2], config.eos_token_id)
+    expected = processed_logprobs_by_hand(model, here, mask, FILTERED)
+    torch.testing.assert_close(here[3].double() * mask, expected, atol=1e-4, rtol=0)
+    # The unfiltered log-probs differ: the filters removed mass at some step.
+    unfiltered = processed_logprobs_by_hand(model, here, mask, {"temperature": 0.8})
+    assert (expected - unfiltered).abs().max() > 1e-2

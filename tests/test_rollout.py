@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from logprob_helpers import processed_logprobs_by_hand
 from transformers import GenerationConfig
 
 from trl_grpo_ext.generation import PromptEncoder
@@ -84,9 +85,10 @@ def test_packed_logprobs_and_gradients_match_each_row_alone(tiny):
 @pytest.mark.parametrize(
     "group_size, options",
     [
-        (4, {}),  # each prompt encoded once, the group continued from its cache
-        (4, {"top_k": 5, "top_p": 0.9}),  # log-probs of the tempered distribution, unfiltered
-        (1, {}),  # one plain generate call
+        (4, {"top_k": 0}),  # each prompt encoded once, the group continued from its cache
+        (4, {"top_k": 5, "top_p": 0.9}),  # of the filtered distribution, renormalised
+        (1, {"top_k": 0}),  # one plain generate call
+        (1, {"top_k": 5, "top_p": 0.9}),
     ],
 )
 def test_sampling_logprobs_are_the_log_probs_of_the_sampled_tokens(tiny, group_size, options):
@@ -97,8 +99,14 @@ def test_sampling_logprobs_are_the_log_probs_of_the_sampled_tokens(tiny, group_s
     )
     assert logps.shape == completion_ids.shape
     mask, _ = completion_mask_from_ids(completion_ids, [tokenizer.eos_token_id])
-    reference = reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, 0.7)
-    torch.testing.assert_close(logps * mask, reference, atol=2e-5, rtol=1e-5)
+    # the distribution each token was drawn from (TRL's processed log-probs)
+    settings = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, **options}
+    output = (prompt_ids, prompt_mask, completion_ids)
+    reference = processed_logprobs_by_hand(model, output, mask, settings)
+    torch.testing.assert_close(logps.double() * mask, reference, atol=2e-5, rtol=1e-5)
+    if not settings["top_k"] and settings["top_p"] == 1.0:  # unfiltered: the trainer's log-probs
+        trainers = reference_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, 0.7)
+        torch.testing.assert_close(logps * mask, trainers, atol=2e-5, rtol=1e-5)
     # The same tokens as without log-probs, from the same seed.
     assert torch.equal(sample(model, tokenizer, config)[2], completion_ids)
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from trainer_helpers import logged, make_trainer, right_digit
+from trainer_helpers import digit_sums, logged, make_trainer, right_digit
 
 from trl_grpo_ext import GroupRelativeTrainer
 
@@ -108,3 +108,73 @@ def test_rows_changed_by_an_override_are_sampled_even_when_sent_ahead(tmp_path):
     with pytest.warns(UserWarning, match="generate_rollouts received other rows"):
         trainer.train()
     assert logged(trainer, "async/staleness") == [0.0, 0.0, 0.0]
+
+
+class Answering(GroupRelativeTrainer):
+    """Replaces every completion by the boxed answer of its row: what an override changed is
+    what every evaluation must see."""
+
+    def generate_rollouts(self, rows):
+        rollout = super().generate_rollouts(rows)
+        rollout.completions = [rf"\boxed{{{answer}}}" for answer in rollout.columns["answer"]]
+        return rollout
+
+
+def boxed_answer(completions, answer, **kwargs):
+    return [float(c == rf"\boxed{{{a}}}") for c, a in zip(completions, answer)]
+
+
+@pytest.mark.parametrize("trainer_class, expected", [(Answering, 1.0), (GroupRelativeTrainer, 0.0)])
+def test_every_evaluation_samples_through_generate_rollouts(tmp_path, trainer_class, expected):
+    """`trainer.evaluate()`, the pass@k harness and the periodic evaluation callback all see
+    the override's completions (the tiny model itself never writes a boxed answer)."""
+    from trl_grpo_ext.evaluation import PeriodicEvalCallback, evaluate_on_processes
+
+    dataset = digit_sums(2)
+    trainer = make_trainer(
+        tmp_path,
+        trainer_class=trainer_class,
+        reward_funcs=boxed_answer,
+        max_steps=1,
+        eval_dataset=dataset,
+    )
+    periodic = PeriodicEvalCallback(
+        trainer.processing_class, dataset, eval_every=1, max_new_tokens=2, trainer=lambda: trainer
+    )
+    trainer.add_callback(periodic)
+    trainer.train()
+    assert [lenient for _, _, lenient in periodic.history] == [expected]
+    assert trainer.evaluate()["eval_reward"] == expected
+    report = evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
+    assert report.greedy_lenient == expected
+
+
+@pytest.mark.parametrize("max_staleness", [None, 1])
+def test_training_and_every_evaluation_build_one_request_per_batch(
+    tmp_path, monkeypatch, max_staleness
+):
+    """Every batch, sampled in this process or by the rollout worker, in training or in an
+    evaluation, is built by the one `RequestBuilder` (prompts encoded once, each batch once)."""
+    from trl_grpo_ext.evaluation import evaluate_on_processes
+    from trl_grpo_ext.generation import requests
+
+    built = []
+    build = requests.RequestBuilder.build
+
+    def counting(self, rows, group, slot=0):
+        built.append((len(rows), group))
+        return build(self, rows, group, slot)
+
+    monkeypatch.setattr(requests.RequestBuilder, "build", counting)
+    dataset = digit_sums(2)  # 4 rows
+    trainer = make_trainer(tmp_path, max_steps=1, max_staleness=max_staleness)
+    trainer.train()
+    # 8 completions of 2 prompts per step; the worker also requests the next step's batch
+    assert built == [(2, 4)] * (1 if max_staleness is None else 2)
+    built.clear()
+    trainer.evaluate(dataset)
+    assert built and all(group == 4 for _, group in built)
+    assert sum(rows for rows, _ in built) == 4
+    built.clear()
+    evaluate_on_processes(trainer, dataset, max_new_tokens=2, num_examples=0)
+    assert built == [(4, 1)]  # greedy: one completion per prompt, one batch

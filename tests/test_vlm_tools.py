@@ -277,9 +277,9 @@ def test_with_max_staleness_the_rollout_worker_carries_the_tool_images(tmp_path,
     """Asynchronous mode: the tool loop runs on the rollout worker's thread, the worker's
     process samples the turn after the result with the tool's image, and the rollouts reach
     training with it."""
-    from trl_grpo_ext.generation import producer
+    from trl_grpo_ext.generation import ahead
 
-    build = producer.build_rollout_engine
+    build = ahead.build_rollout_engine
     scripted = []
 
     def build_scripted(args, engine, model):
@@ -287,7 +287,7 @@ def test_with_max_staleness_the_rollout_worker_carries_the_tool_images(tmp_path,
         scripted.append(FirstTurnScripted(built, trainer.processing_class.tokenizer))
         return scripted[-1], owned
 
-    monkeypatch.setattr(producer, "build_rollout_engine", build_scripted)
+    monkeypatch.setattr(ahead, "build_rollout_engine", build_scripted)
     trainer = tool_trainer(tmp_path, text_rows(2), max_staleness=1, max_steps=2)
     rollouts = []
     generate_rollouts = trainer.generate_rollouts

@@ -83,6 +83,20 @@ def checkpoint_step(path: str) -> int:
         return int(json.load(handle)["global_step"])
 
 
+def start_metrics_log(output_dir: str, resume=None, is_main_process: bool = True) -> str:
+    """The path of a recipe's `metrics.jsonl` in `output_dir`. A run resumed from the checkpoint
+    `resume` (a folder) keeps the records up to it (`evaluation.keep_records_up_to`); a new run
+    in a folder that holds a log keeps that log under another name (`evaluation.set_aside`).
+    Nothing is deleted."""
+    from .evaluation import keep_records_up_to, set_aside
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if is_main_process and os.path.exists(path):
+        kept = keep_records_up_to(path, checkpoint_step(resume)) if resume else set_aside(path)
+        print(f"The earlier metrics log of {output_dir} is kept as {kept}.")
+    return path
+
+
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The newest `checkpoint-N` in `output_dir` whose writing finished, or None."""
     if not os.path.isdir(output_dir):

@@ -140,29 +140,34 @@ def generate(
     batch_size: int = 64,
     chat_template_kwargs: dict | None = None,
     engine=None,
-    producer=None,
-    version: int = 0,
+    trainer=None,
     rows: list[dict] | None = None,
 ) -> tuple[list[list], list[list[int]], list[list[bool]]]:
     """Completions for each prompt: greedy when `temperature` is None, else `num_samples`
     sampled ones (no top-k or min-p filter, whatever the checkpoint's `generation_config`
-    says), sampled through a `RolloutProducer` (`RolloutProducer.sample`), so they are rendered,
-    sampled, cut and counted as training rollouts are.
+    says), sampled through the public override point `generate_rollouts(rows)` inside the
+    producer's `evaluating` block, so they are rendered, sampled, cut and counted as training
+    rollouts are, and a subclass's override of `generate_rollouts` applies to them.
 
-    `producer` is a trainer's (`trainer.rollouts`), with its engine at the weights of `version`
+    `trainer` (any object with `rollouts`, a `RolloutProducer`, and `generate_rollouts`, e.g. a
+    `GroupRelativeTrainer` or a subclass of it) samples with its engine at its current weights
     and its tools and environments, if any: each completion is then the list of messages reward
     functions get (the model's turns and the tools' results; the last one holds the answer),
     its token count includes the results, and `rows` (the dataset's rows, default
-    `{"prompt": ...}`) reset the environments and give the prompts' images, if any. Without one, `model` alone samples
-    (`RolloutProducer.for_model`), by `engine` when given (`generation.engines`), else by its own
-    `generate`, in eval mode, with prompts rendered with `chat_template_kwargs`.
+    `{"prompt": ...}`) reset the environments and give the prompts' images, if any. Without one,
+    `model` alone samples (`RolloutProducer.for_model`, whose `generate_rollouts` is its own
+    `generate`), by `engine` when given (`generation.engines`), else by its own `generate`, in
+    eval mode, with prompts rendered with `chat_template_kwargs`.
     Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
-    if producer is None:
+    if trainer is None:
         from .generation.producer import RolloutProducer
 
         producer = RolloutProducer.for_model(
             model, tokenizer, chat_template_kwargs=chat_template_kwargs, engine=engine
         )
+        generate_rollouts = lambda rows: producer.generate(rows, 0)  # noqa: E731
+    else:
+        producer, generate_rollouts = trainer.rollouts, trainer.generate_rollouts
     greedy = temperature is None
     config = sampling_config(
         max_new_tokens=max_new_tokens,
@@ -178,7 +183,8 @@ def generate(
     outputs, counts, truncated = [], [], []
     step = max(1, batch_size // samples)
     for start in range(0, len(rows), step):
-        rollout = producer.sample(rows[start : start + step], config, version)
+        with producer.evaluating(config):
+            rollout = generate_rollouts(rows[start : start + step])
         lengths = rollout.completion_mask.sum(dim=1).tolist()  # (N,)
         cut = rollout.is_truncated.tolist()
         for row in range(0, len(rollout), samples):
@@ -202,22 +208,20 @@ def problem_scores(
     format_reward: Callable | None = None,
     chat_template_kwargs: dict | None = None,
     engine=None,
-    producer=None,
-    version: int = 0,
+    trainer=None,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
-    (strict, lenient), completion token counts and truncations, and with a `producer` that has
+    (strict, lenient), completion token counts and truncations, and with a `trainer` that has
     tools (see `generate`) the greedy completion's tool calls and failed calls. `summarize` turns them into
     an `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
-    with_tools = producer is not None and producer.tool_loop is not None
+    with_tools = trainer is not None and trainer.rollouts.tool_loop is not None
     sampling = dict(
         batch_size=batch_size,
         chat_template_kwargs=chat_template_kwargs,
         engine=engine,
-        producer=producer,
-        version=version,
-        rows=list(dataset) if producer is not None else None,  # decoded: images as PIL images
+        trainer=trainer,
+        rows=list(dataset) if trainer is not None else None,  # decoded: images as PIL images
     )
     records = [
         {"prompt": prompt, "answer": answer, "tokens": [], "truncated": []}
@@ -378,7 +382,8 @@ def evaluate_math(
 def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **kwargs):
     """`evaluate_math` with the trainer's model, each process taking a shard of the problems;
     every process gets the same report, and every process must call it. Completions come from
-    the trainer's producer (`RolloutProducer.sample`) with its current weights: its engine,
+    the trainer's `generate_rollouts` (a subclass's override included) with its current
+    weights: its engine,
     transformers (under DeepSpeed ZeRO-3 with the weights gathered, under FSDP sharded) or vLLM,
     through the trainer's tools and environments when it has some, with the dataset's images
     when it has some (a vision-language model's trainer).
@@ -389,8 +394,7 @@ def evaluate_on_processes(trainer, dataset, *, k_values=(1,), num_examples=3, **
         model,
         trainer.processing_class,
         dataset,
-        producer=trainer.rollouts,
-        version=trainer.state.global_step,
+        trainer=trainer,
         k_values=k_values,
         num_examples=num_examples,
         **kwargs,
@@ -491,9 +495,10 @@ class PeriodicEvalCallback(TrainerCallback):
     saves: under DeepSpeed ZeRO-3 and FSDP the weights are sharded, and generating with them or
     saving them needs all processes. The main process alone writes the files.
 
-    `producer`, when given, returns the producer to sample with (the trainer's:
-    `lambda: trainer.rollouts`, with its engine, which gathers ZeRO-3 weights, and its tools, as
-    in training; see `generate`); else the model's own `generate`. `save_model`, when given, saves the best model to a folder and is
+    `trainer`, when given, returns the trainer to sample with (`lambda: trainer`, as the
+    callback is built before it): its `generate_rollouts` (a subclass's override included), its
+    engine, which gathers ZeRO-3 weights, and its tools, as in training (see `generate`); else
+    the model's own `generate`. `save_model`, when given, saves the best model to a folder and is
     called on every process (the trainer's `save_model`, which gathers sharded weights); else
     the main process calls the model's `save_pretrained`. `skip_last_step` leaves out the
     evaluation at the run's last step, for a caller that evaluates (and `record`s) the final
@@ -511,11 +516,11 @@ class PeriodicEvalCallback(TrainerCallback):
         best_dir: str | None = None,
         format_reward: Callable | None = None,
         batch_size: int = 64,
-        producer: Callable | None = None,
+        trainer: Callable | None = None,
         save_model: Callable[[str], None] | None = None,
         skip_last_step: bool = False,
     ):
-        self.tokenizer, self.dataset, self.producer = tokenizer, dataset, producer
+        self.tokenizer, self.dataset, self.trainer = tokenizer, dataset, trainer
         self.save_model, self.skip_last_step = save_model, skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
@@ -571,8 +576,7 @@ class PeriodicEvalCallback(TrainerCallback):
             batch_size=self.batch_size,
             num_examples=0,
             chat_template_kwargs=args.chat_template_kwargs,
-            producer=self.producer() if self.producer else None,
-            version=state.global_step,
+            trainer=self.trainer() if self.trainer else None,
         )
         self.record(state.global_step, report, model=model)
         return control
@@ -625,19 +629,6 @@ def keep_records_up_to(path: str, step: int) -> str | None:
         if record.get("step", 0) <= step and record.get("heldout/label") not in ("before", "after"):
             append_jsonl(path, record)
     return kept
-
-
-def start_metrics_log(output_dir: str, resume=None, is_main_process: bool = True) -> str:
-    """The path of a recipe's `metrics.jsonl` in `output_dir`. A run resumed from the checkpoint
-    `resume` (a folder) keeps the records up to it (`keep_records_up_to`); a new run in a folder
-    that holds a log keeps that log under another name (`set_aside`). Nothing is deleted."""
-    from .checkpoints import checkpoint_step
-
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if is_main_process and os.path.exists(path):
-        kept = keep_records_up_to(path, checkpoint_step(resume)) if resume else set_aside(path)
-        print(f"The earlier metrics log of {output_dir} is kept as {kept}.")
-    return path
 
 
 # ------------------------------------------------------------------------- reports

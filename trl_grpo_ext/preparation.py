@@ -29,6 +29,7 @@ from .generation.images import (
     text_tokenizer,
 )
 from .generation.producer import RolloutProducer
+from .generation.settings import GenerationSettings
 from .hub import is_peft_model
 from .rewards.model import RewardModel, resolve_reward_models
 from .scoring import resolve_reward_funcs, reward_func_list, reward_name, reward_weights
@@ -51,10 +52,10 @@ def trainer_config(model, args: GroupRelativeConfig | None) -> GroupRelativeConf
 def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     """The run's `tools.Agent` when it has tools or environments, else None. Checks what they
     cannot be combined with."""
-    if rollout_func is not None and args.max_staleness is not None:
+    if rollout_func is not None and args.max_staleness:
         raise ValueError(
-            "rollout_func samples in the training process: unset max_staleness, whose rollout "
-            "worker would sample without it."
+            "rollout_func samples in the training process: unset max_staleness (or set it to 0), "
+            "whose rollout worker would sample without it."
         )
     if not tools and environment_factory is None:
         return None
@@ -94,7 +95,7 @@ def check_images(
             raise ValueError(ROLLOUT_FUNC_WITH_IMAGES)
         if first is not None and "prompt" in first:
             prompt_with_images(first)  # conversational, each image part with its image
-        unsupported = images_unsupported(args)
+        unsupported = images_unsupported(args.use_vllm)
         if unsupported:
             raise ValueError(f"{split}: {unsupported}")
 
@@ -180,7 +181,7 @@ def rollout_producer(trainer, model, engine_folder: str | None) -> RolloutProduc
     args = trainer.args
     processing_class = trainer.processing_class
     return RolloutProducer(
-        args,
+        GenerationSettings.from_config(args),
         text_tokenizer(processing_class),
         trainer.eos_token_ids,
         policy=lambda: policy_for_generation(

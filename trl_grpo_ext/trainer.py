@@ -236,7 +236,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""
         args = self.args
         self._step_started = time.perf_counter()
-        if args.max_staleness is None:
+        if not args.max_staleness:  # None, or 0: the synchronous trainer
             prompt_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         else:
             prompt_batches = self.rollouts.pull(epoch_iterator, num_batches)
@@ -419,7 +419,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         from its own seed (synchronous), or taken from the rollout worker (`max_staleness`)."""
         args = self.args
         seed = generation_seed(args.seed, args.process_index, index, round_index)
-        synchronous = args.max_staleness is None
+        synchronous = not args.max_staleness  # max_staleness 0 is the synchronous trainer
         with self.rollouts.scheduled(index, round_index) as batch:
             with seeded(seed, self.accelerator.device) if synchronous else nullcontext():
                 rollout = self.generate_rollouts(rows)

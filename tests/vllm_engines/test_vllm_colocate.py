@@ -8,6 +8,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import (  # noqa: E402
     MAX_LORA_RANK,
+    assert_filtered_logprobs_are_the_processed_ones,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
     assert_stop_strings_end_where_transformers_does,
@@ -72,27 +73,10 @@ def test_sampled_token_logprobs_are_the_trainers(colocate_engine, hf_model, toke
     assert_sampled_logprobs_match_trainer(colocate_engine, hf_model, tokenizer, prompts)
 
 
-def test_top_k_samples_inside_the_top_k_and_returns_the_truncated_logprobs(
+def test_top_k_and_top_p_log_probs_are_those_of_the_filtered_distribution(
     colocate_engine, hf_model, tokenizer, prompts
 ):
-    """With a truncating filter the engine's log-probs are those of the distribution the token was
-    drawn from: the top-k tokens' tempered softmax, renormalised."""
-    top_k, temperature = 3, 1.3
-    output = colocate_engine.generate(
-        *prompts, config(tokenizer, top_k=top_k, temperature=temperature), seed=11
-    )
-    prompt_ids, prompt_mask, completion_ids, logps = output
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    with torch.no_grad():
-        logits = hf_model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits = logits[:, prompt_ids.shape[1] - 1 : -1] / temperature  # (B, T, V)
-    kept = logits.topk(top_k, dim=-1).values[..., -1:]  # the k-th largest
-    truncated = logits.masked_fill(logits < kept, float("-inf")).log_softmax(-1)
-    expected = truncated.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
-    assert torch.isfinite(expected[mask.bool()]).all()  # every token inside the top k
-    torch.testing.assert_close(logps * mask, expected * mask, atol=1e-4, rtol=0)
+    assert_filtered_logprobs_are_the_processed_ones(colocate_engine, hf_model, tokenizer, prompts)
 
 
 def test_published_adapter_versions_advance_and_generation_uses_the_latest(

@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import (  # noqa: E402
     SERVER_MAX_LORA_RANK,
+    assert_filtered_logprobs_are_the_processed_ones,
     assert_greedy_matches_transformers,
     assert_sampled_logprobs_match_trainer,
     assert_stop_strings_end_where_transformers_does,
@@ -42,6 +43,12 @@ def test_greedy_output_equals_transformers_token_for_token(
 
 def test_sampled_token_logprobs_are_the_trainers(server_engine, hf_model, tokenizer, prompts):
     assert_sampled_logprobs_match_trainer(server_engine, hf_model, tokenizer, prompts)
+
+
+def test_top_k_and_top_p_log_probs_are_those_of_the_filtered_distribution(
+    server_engine, hf_model, tokenizer, prompts
+):
+    assert_filtered_logprobs_are_the_processed_ones(server_engine, hf_model, tokenizer, prompts)
 
 
 def test_stop_strings_end_completions_where_transformers_ends_them(

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 
 import torch
+from logprob_helpers import processed_logprobs_by_hand
 
 from trl_grpo_ext.generation import sampling_config
 from trl_grpo_ext.generation.sampling import end_at_stop_strings
@@ -114,6 +115,29 @@ def assert_sampled_logprobs_match_trainer(engine, model, tokenizer, prompts, tem
     assert torch.equal(again[2], output[2])
     assert not torch.equal(output[2][0], output[2][1])
     return output
+
+
+FILTERED = {"temperature": 1.3, "top_k": 5, "top_p": 0.8}
+
+
+def assert_filtered_logprobs_are_the_processed_ones(engine, model, tokenizer, prompts):
+    """With top-k and top_p < 1 the engine samples inside the filters and its log-probs are those
+    of the distribution each token was drawn from (filtered, renormalised), the definition every
+    engine shares, against a hand computation from the model's logits; the transformers engine
+    meets the same one (tests/test_process_engine.py)."""
+    output = engine.generate(*prompts, config(tokenizer, num_return_sequences=3, **FILTERED), 11)
+    mask = completion_mask(output[2], tokenizer.eos_token_id)
+    expected = processed_logprobs_by_hand(model, output, mask, FILTERED)
+    torch.testing.assert_close(output[3].double() * mask, expected, atol=1e-4, rtol=0)
+    transformers_output = generate_with_transformers(
+        model,
+        *prompts,
+        generation_config=config(tokenizer, num_return_sequences=3, **FILTERED),
+        return_logprobs=True,
+    )
+    mask = completion_mask(transformers_output[2], tokenizer.eos_token_id)
+    expected = processed_logprobs_by_hand(model, transformers_output, mask, FILTERED)
+    torch.testing.assert_close(transformers_output[3].double() * mask, expected, atol=1e-4, rtol=0)
 
 
 def lora_adapter(base_model, path, seed, rank=4):

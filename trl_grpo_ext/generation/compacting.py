@@ -195,7 +195,7 @@ def compacting_sample(
     """
     pad_token_id = generation_config._pad_token_tensor
     return_dict = generation_config.return_dict_in_generate
-    output_logits = return_dict and generation_config.output_logits
+    output_logits = bool(return_dict and generation_config.output_logits)
     output_scores = return_dict and generation_config.output_scores
     do_sample = generation_config.do_sample
     has_end = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)

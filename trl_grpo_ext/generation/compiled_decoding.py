@@ -145,8 +145,8 @@ def runs(model, generation_config: GenerationConfig, inputs: dict) -> bool:
 
 
 def sample(model, inputs: dict, generation_config: GenerationConfig, compact: bool = True):
-    """Completions `(B*G, T)` and, with `generation_config.output_logits`, the raw logits of
-    each step `T x (B*G, V)` (else None), decoded with a static cache of the bucketed shape.
+    """Completions `(B*G, T)` and, with `generation_config.output_scores`, the processed
+    scores each token was drawn from at each step `T x (B*G, V)` (else None), decoded with a static cache of the bucketed shape.
 
     Args:
         inputs (`dict`): `input_ids` and `attention_mask` of the B left-padded prompts `(B, P)`,
@@ -187,6 +187,6 @@ def sample(model, inputs: dict, generation_config: GenerationConfig, compact: bo
     )  # (R, P + T)
     sequences = output.sequences if config.return_dict_in_generate else output
     completion_ids = sequences[:rows, prompt_length:]  # (B*G, T)
-    if not config.output_logits:
+    if not config.output_scores:
         return completion_ids, None
-    return completion_ids, [logits[:rows] for logits in output.logits]  # T x (B*G, V)
+    return completion_ids, [scores[:rows] for scores in output.scores]  # T x (B*G, V)

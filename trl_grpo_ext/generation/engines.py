@@ -31,6 +31,7 @@ current. `EngineWorker` runs an engine as the rollout worker of the asynchronous
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import shutil
@@ -40,12 +41,16 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .requests import run_request
 from .transformers_engine import TransformersEngine
 from .weights import WeightPublisher
+
+if TYPE_CHECKING:
+    from .settings import EngineSettings
 
 
 class Engine(Protocol):
@@ -148,17 +153,10 @@ class EngineWorker:
 
         self._raise_failure()
         version = self.engine.version  # no update runs on this thread until the batch is done
-        if tools is None:
-            prompt_ids, prompt_mask, *images = prompts  # images: the processor's fields, if any
-            tensors = self.engine.generate(
-                prompt_ids, prompt_mask, self.generation_config, seed, *images
-            )
-            return GeneratedBatch(index, version, *tensors)
-        prompt_ids, prompt_mask, *images = prompts  # images: the rollouts' fields, if any
-        turns = self.tool_loop.run(
-            self.engine, self.generation_config, seed, prompt_ids, prompt_mask, tools, *images
+        generated = run_request(
+            self.engine, self.generation_config, seed, prompts, tools, self.tool_loop
         )
-        return GeneratedBatch(index, version, prompt_ids, prompt_mask, None, None, turns=turns)
+        return GeneratedBatch(index, version, *generated)
 
     def result(self, index: int):
         return self._futures.pop(index).result()
@@ -356,15 +354,16 @@ def lora_rank(peft_model) -> int | None:
 
 
 def build_engine(
-    args,
+    settings: EngineSettings,
     policy,
     model,
     model_folder: EngineModel | str | None,
     lora_rank: int | None,
     tokenizer=None,
 ) -> Engine:
-    """The engine `args` asks for (`use_vllm`, `vllm_mode` and the `vllm_*` settings), with what
-    keeps its weights current. The one place engines are built (with `build_rollout_engine`).
+    """The engine `settings` ask for (`EngineSettings`: transformers, vLLM colocated or a vLLM
+    server), with what keeps its weights current. The one place engines are built (with
+    `build_rollout_engine`).
 
     Args:
         policy (`Callable[[], ContextManager]`): the trainer's model for generation, as
@@ -377,45 +376,47 @@ def build_engine(
             for adapters of that rank); None for full fine-tuning.
         tokenizer (*optional*): lets the transformers engine stop at stop strings.
     """
-    if not args.use_vllm:
+    if not settings.use_vllm:
         return TransformersEngine(
             policy,
-            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
+            cast_lm_head_to_fp32=settings.cast_lm_head_to_fp32,
             tokenizer=tokenizer,
-            merge_adapters=args.sample_with_merged_adapters,
+            merge_adapters=settings.sample_with_merged_adapters,
         )
-    engine = _vllm_engine(args, model_folder, lora_rank)
+    engine = _vllm_engine(settings, model_folder, lora_rank)
     engine.publisher = WeightPublisher(engine, model, lora_rank is not None)
     return engine
 
 
-def build_rollout_engine(args, engine: Engine, model) -> tuple[Engine, bool]:
+def build_rollout_engine(settings: EngineSettings, engine: Engine, model) -> tuple[Engine, bool]:
     """The engine of the asynchronous rollout worker (`max_staleness`): the engine itself when it
     has its own weights (vLLM), else transformers in a process of its own (`ProcessEngine`)
-    with a copy of the model, sent the trained parameters of each version. Returns
-    `(engine, owned)`; `owned`: a new engine, closed with the worker."""
+    with a copy of the model on the CPU, sent the trained parameters of each version. A model
+    on an accelerator is never copied to the CPU: without vLLM that is an error naming the
+    settings that work. Returns `(engine, owned)`; `owned`: a new engine, closed with the
+    worker."""
     if engine.own_weights:
         return engine, False
     from .process_worker import ParameterPublisher, ProcessEngine
 
     unwrapped = model()
     if unwrapped.device.type != "cpu":
-        warnings.warn(
-            f"max_staleness is set and the model is on {unwrapped.device}: the local rollout "
-            "worker generates with a copy of the model on the CPU, which is likely slower than "
-            "synchronous generation on the accelerator. Unset max_staleness to generate there, or "
-            "generate on a vLLM server (use_vllm=True, vllm_mode='server').",
-            stacklevel=4,
+        raise ValueError(
+            f"max_staleness >= 1 samples ahead of training, and the model is on "
+            f"{unwrapped.device}: without a vLLM engine that would need a copy of the model on the "
+            "CPU, far slower than sampling on the accelerator. Sample with vLLM (use_vllm=True, "
+            "vllm_mode='server' or 'colocate'), or set max_staleness=0 (or leave it unset) to "
+            "sample on the model's device between optimizer steps."
         )
     process = ProcessEngine(
-        unwrapped, args.rollout_worker_threads, args.sample_with_merged_adapters
+        unwrapped, settings.rollout_worker_threads, settings.sample_with_merged_adapters
     )
     process.publisher = ParameterPublisher(process, model)
     return process, True
 
 
-def _vllm_engine(args, model_folder, lora_rank):
-    if args.vllm_mode == "server":
+def _vllm_engine(settings: EngineSettings, model_folder, lora_rank):
+    if settings.server_url is not None:
         if lora_rank is None:
             raise ValueError(
                 "vllm_mode='server' publishes new weights to the server as LoRA adapters; full "
@@ -424,16 +425,31 @@ def _vllm_engine(args, model_folder, lora_rank):
             )
         from .vllm_server import VLLMServerEngine
 
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         # Each training process publishes its own adapter versions (the same weights under DDP)
         # under its own names, so processes never load or unload each other's.
-        prefix = "adapter" if args.world_size == 1 else f"adapter-p{args.process_index}"
-        engine = VLLMServerEngine(url, timeout=args.vllm_server_timeout, adapter_prefix=prefix)
+        engine = VLLMServerEngine(
+            settings.server_url,
+            timeout=settings.server_timeout,
+            adapter_prefix=settings.adapter_prefix,
+        )
         engine.wait_until_ready()
         return engine
-    from .vllm_colocate import ColocateSettings, VLLMColocateEngine
+    from .vllm_colocate import VLLMColocateEngine
 
     if not isinstance(model_folder, EngineModel):
         model_folder = EngineModel(str(model_folder))
     # the engine keeps the folder, so a temporary copy lives as long as the engine
-    return VLLMColocateEngine(model_folder, ColocateSettings.from_config(args, lora_rank))
+    colocate = dataclasses.replace(settings.colocate, max_lora_rank=lora_rank)
+    return VLLMColocateEngine(model_folder, colocate)
+
+
+def max_model_len(settings, model, engine) -> int:
+    """The longest sequence the engine takes: the smaller of a vLLM server's own
+    `--max-model-len` (which the trainer's settings cannot change) and `vllm_max_model_length`
+    (`settings.max_model_len`) when either is known, else the model's position limit."""
+    limits = [getattr(engine, "max_model_len", None), settings.max_model_len]
+    limits = [limit for limit in limits if limit]
+    if limits:
+        return min(limits)
+    config = getattr(model.config, "text_config", None) or model.config
+    return getattr(config, "max_position_embeddings", None) or 2**31

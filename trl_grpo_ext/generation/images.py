@@ -121,6 +121,23 @@ def prompt_with_images(row: dict) -> tuple[list, list]:
     return prompt, images
 
 
+def encode_with_images(encoder, rows: list[dict], group: int = 1, prompts=None, functions=None):
+    """The one seam between a batch of rows and its images: each row's prompt (or `prompts`,
+    one per row) with its images in its messages, rendered and tokenised by the processor
+    (`encoder.encode_with_images`, with each prompt's tool `functions`), and its fields split
+    per sample. Returns `(prompts, prompt_ids, prompt_mask, fields, per_completion)`: `fields` as
+    the processor returned them (what `generate` takes), `per_completion` one row per completion
+    (each prompt's `group` times, `per_sample`)."""
+    if prompts is not None:
+        rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
+    prepared = [prompt_with_images(row) for row in rows]
+    prompts, images = [p for p, _ in prepared], [i for _, i in prepared]
+    prompt_ids, prompt_mask, fields = encoder.encode_with_images(prompts, images, functions)
+    counts = [len(i) for i in images]
+    per_completion = per_sample(fields, counts, prompt_ids.shape[1], group)
+    return prompts, prompt_ids, prompt_mask, fields, per_completion
+
+
 ROLLOUT_FUNC_WITH_IMAGES = (
     "rollout_func does not receive images yet: its prompts would reach it without the "
     "dataset's images, and the trainer would train on their text alone. Drop rollout_func to "
@@ -137,11 +154,11 @@ TOOL_IMAGES_NEED_A_PROCESSOR = (
 )
 
 
-def images_unsupported(args, engine=None) -> str | None:
+def images_unsupported(use_vllm: bool, engine=None) -> str | None:
     """Why images cannot be sampled with these settings (a path not yet covered would sample
     from the text alone), or None when they can: the transformers engine, single- or multi-turn,
     in the training process or the asynchronous rollout worker's."""
-    if getattr(args, "use_vllm", False):
+    if use_vllm:
         what = "use_vllm=True (vLLM does not receive the images yet)"
     elif engine is not None and not getattr(engine, "takes_images", False):
         what = f"the {type(engine).__name__} engine (it does not take images)"

@@ -59,10 +59,12 @@ def generate_with_transformers(
     to the batch (`compiled_decoding.py`): the same distribution, a few graphs per run; where
     it cannot run, the reason is logged once and the dynamic cache samples as above.
 
-    With `return_logprobs=True`, also the log-probs of the sampled tokens under the sampling
-    policy, `log softmax(z_t / tau)[o_t]` from the raw logits of each decoding step (before
-    top-k/top-p), as the trainer computes them: no second forward pass. The raw logits of all
-    steps are held until the end, `T x B*G x V` float32 values.
+    With `return_logprobs=True`, also the behaviour log-probs: each sampled token's log-prob
+    under the distribution it was drawn from, the processed scores of its decoding step
+    (temperature, top-k, top-p, min-p, ... applied) renormalised, `log softmax(s_t)[o_t]`, as
+    TRL asks vLLM for them (`logprobs_mode="processed_logprobs"`): no second forward pass. With
+    TRL's default settings (no filter) that is `log softmax(z_t / tau)[o_t]`, the trainer's
+    log-prob. The scores of all steps are held until the end, `T x B*G x V` float32 values.
 
     Args:
         prompt_ids, prompt_mask (`torch.Tensor`): left-padded prompts `(B, P)`
@@ -106,7 +108,7 @@ def _generate(model, encoded, generation_config, return_logprobs, compact_finish
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     if return_logprobs:
         generation_config = copy.deepcopy(generation_config)
-        generation_config.output_logits = True
+        generation_config.output_scores = True
         generation_config.return_dict_in_generate = True
     generated = None
     if compiled_decoding.runs(model, generation_config, encoded):  # CUDA's default
@@ -122,26 +124,27 @@ def _generate(model, encoded, generation_config, return_logprobs, compact_finish
             model, generation_config, compact_finished_rows, **encoded
         )  # (B*G, P + T)
         if return_logprobs:
-            generated = output.sequences[:, prompt_length:], output.logits
+            generated = output.sequences[:, prompt_length:], output.scores
         else:
             generated = output[:, prompt_length:], None
-    completion_ids, step_logits = generated
+    completion_ids, step_scores = generated
     if not return_logprobs:
         return prompt_ids, prompt_mask, completion_ids
+    # log softmax of the processed scores: renormalised over the tokens the filters kept
     logps = [
-        token_logprobs(
-            logits.unsqueeze(1), completion_ids[:, t : t + 1], generation_config.temperature
-        )
-        for t, logits in enumerate(step_logits)
+        token_logprobs(scores.unsqueeze(1), completion_ids[:, t : t + 1])
+        for t, scores in enumerate(step_scores)
     ]  # T x (B*G, 1)
-    return prompt_ids, prompt_mask, completion_ids, torch.cat(logps, dim=1)
+    logps = torch.cat(logps, dim=1)  # (B*G, T)
+    # After a row's end its forced padding may lie outside the filters (-inf): 0 there.
+    return prompt_ids, prompt_mask, completion_ids, logps.masked_fill(~logps.isfinite(), 0.0)
 
 
 def _generate_groups(
     model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished=True
 ):
-    """Completions `(B*G, T)` with each prompt encoded once, and the raw logits of each step
-    (`T x (B*G, V)`, or None unless `generation_config.output_logits`); None where the model's
+    """Completions `(B*G, T)` with each prompt encoded once, and the processed scores of each
+    step (`T x (B*G, V)`, or None unless `generation_config.output_scores`); None where the model's
     `generate` does not return a reusable cache. With `compact_finished`, step 3 drops each row
     from the batch once it has ended (`compacting.generate`).
 
@@ -179,11 +182,11 @@ def _generate_groups(
     probs = torch.softmax(scores, dim=-1)  # (B, V)
     first_tokens = torch.multinomial(probs, group_size, replacement=True)  # (B, G)
     first_tokens = first_tokens.reshape(-1, 1)  # (B*G, 1)
-    want_logits = bool(generation_config.output_logits)
-    step_logits = [first.logits[0].repeat_interleave(group_size, dim=0)] if want_logits else None
+    want_scores = bool(generation_config.output_scores)
+    step_scores = [scores.repeat_interleave(group_size, dim=0)] if want_scores else None
     remaining = generation_config.max_new_tokens - 1
     if remaining < 1:
-        return first_tokens, step_logits
+        return first_tokens, step_scores
     prompts = torch.arange(encoded["input_ids"].shape[0], device=first_tokens.device)  # (B,)
     rows = prompts.repeat_interleave(group_size)  # (B*G,): each prompt's row, G times
     compacting.select_rows(cache, rows)
@@ -205,8 +208,8 @@ def _generate_groups(
         tokenizer=encoded.get("tokenizer"),  # for stop strings
         **{_cache_kwarg(model): cache},
     )  # (B*G, P + 1 + T - 1)
-    if want_logits:
-        return output.sequences[:, prompt_ids.shape[1] :], step_logits + list(output.logits)
+    if want_scores:
+        return output.sequences[:, prompt_ids.shape[1] :], step_scores + list(output.scores)
     return output[:, prompt_ids.shape[1] :], None
 
 

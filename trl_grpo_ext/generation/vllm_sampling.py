@@ -10,7 +10,7 @@ sampled token's log-prob is taken after temperature, repetition penalty, min-p, 
 renormalised over the tokens that survive: the distribution the token was actually drawn from.
 With TRL's default sampling settings (top_p=1, top_k=0, min_p=None, repetition_penalty=1) that is
 `log softmax(z / T)[o_t]`, the trainer's log-prob. With a truncating filter it is larger by
-`-log(kept mass)`, where `generate_with_transformers` returns the untruncated `log softmax(z / T)`.
+`-log(kept mass)`. `generate_with_transformers` returns the same definition (docs/async.md).
 """
 
 from __future__ import annotations
