@@ -263,7 +263,8 @@ class GroupRelativeConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Micro-batches per generation batch. Defaults to gradient_accumulation_steps "
-            "(one generation per optimizer step); must be a multiple of it."
+            "(one generation per optimizer step). Any value, as in TRL: when it is not a multiple, an "
+            "optimizer step may train on the end of one generation batch and the start of the next."
         },
     )
     generation_batch_size: int | None = field(
@@ -956,14 +957,6 @@ RULES: tuple[Callable[[GroupRelativeConfig], None], ...] = (
         for name in ("steps_per_generation", "generation_batch_size")
     ),
     _generation_batch,
-    Rule(
-        lambda c: c.steps_per_generation % c.gradient_accumulation_steps,
-        lambda c: (
-            f"steps_per_generation={c.steps_per_generation} must be a multiple of "
-            f"gradient_accumulation_steps={c.gradient_accumulation_steps}, so that an optimizer "
-            "step never waits for a generation batch that has not been sampled yet."
-        ),
-    ),
     Rule(
         lambda c: _local_generation_batch(c) % c.num_generations,
         lambda c: (

@@ -29,9 +29,10 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
 from . import preparation
-from .batches import image_model_inputs, split_micro_batches, training_tensors
+from .batches import image_model_inputs, split_micro_batches, step_tokens, training_tensors
 from .checkpoints import (
     RolloutState,
+    epoch_micro_step,
     inside_window,
     resolve_resume,
     restore_trainer_rollout_state,
@@ -68,7 +69,7 @@ from .objective import (
 )
 from .off_policy import behaviour_correction
 from .resume_weights import FullWeightsMixin
-from .sampler import collate_rows, train_dataloader
+from .sampler import collate_rows, micro_batches_per_epoch, train_dataloader
 from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
@@ -241,15 +242,28 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         else:
             prompt_batches = self.rollouts.pull(epoch_iterator, num_batches)
         first = self.state.global_step * args.gradient_accumulation_steps
+        in_epoch = epoch_micro_step(self.state.global_step, args, self.micro_batches_per_epoch)
         window = args.steps_per_generation * args.num_iterations
         micro_batches = []
         for offset, rows in enumerate(prompt_batches):
-            slot = (first + offset) % window
+            slot = (in_epoch + offset) % window
             if slot == 0 or self._buffer is None:
                 # Generation batches are numbered; each samples from its own seed.
                 self._buffer = self._make_generation_batch(rows, (first + offset) // window)
             micro_batches.append(self._buffer[slot % args.steps_per_generation])
+        if args.steps_per_generation % args.gradient_accumulation_steps and micro_batches:
+            # This step's micro-batches come from two generation batches: count its own tokens.
+            tokens = step_tokens(micro_batches, self._sum_over_processes)
+            micro_batches = [{**batch, "num_items_in_batch": tokens} for batch in micro_batches]
         return micro_batches, micro_batches[0]["num_items_in_batch"] if micro_batches else None
+
+    @cached_property
+    def micro_batches_per_epoch(self) -> int | None:
+        """Micro-batches per epoch of the training data loader (None for a stream)."""
+        return micro_batches_per_epoch(self.train_dataset, self.args)
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
 
     # --------------------------------------------------------- override points
 
@@ -474,7 +488,8 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         # Later micro-batches of a generation batch see weights updated after sampling: they
         # need the sampling policy's log-probs. With one step per generation, the current
         # log-probs detached are the same numbers, so no extra forward pass is spent.
-        if args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps:
+        # TRL's condition: sampling and optimizer steps are not aligned.
+        if args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations):
             tensors["old_logps"] = self._logps_in_chunks(self.model, tensors, micro)
         if args.beta > 0:
             if self.ref_model is not None:
@@ -487,7 +502,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             tensors,
             micro,
             args.gradient_accumulation_steps,
-            lambda tokens: self.accelerator.reduce(tokens, reduction="sum"),
+            self._sum_over_processes,
         )
 
     def _record_rollout_metrics(self, rollout: Rollout, all_rewards, all_advantages):
@@ -577,7 +592,9 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         the buffered generation batch (inside a window), the metrics not logged yet, and the
         producer's `state()` (batches in flight). Each checkpoint holds it (`checkpoints.py`)."""
         step = self.state.global_step
-        buffered = self._buffer if inside_window(step, self.args) else None
+        buffered = (
+            self._buffer if inside_window(step, self.args, self.micro_batches_per_epoch) else None
+        )
         metrics = dict(self._metrics)
         return RolloutState(step, buffered, metrics=metrics, **self.rollouts.state())
 
