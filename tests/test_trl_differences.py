@@ -4,9 +4,16 @@ methods its users call in subclasses, entropy regularisation and the MoE router 
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+import torch
 from datasets import Dataset
 from trainer_helpers import make_trainer
 from trl_reference import matches_trl
+
+from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 
 def numbered_prompts(count: int) -> Dataset:
@@ -92,3 +99,150 @@ def test_a_step_across_two_generation_batches_divides_dapo_by_its_own_tokens(tmp
     assert len(seen) == 6
     for step in (seen[:3], seen[3:]):
         assert {items for _, items in step} == {float(sum(tokens for tokens, _ in step))}
+
+
+# ------------------------------------------------------------------ what TRL says, said here too
+
+
+def trl_trainer(tmp_path, model, reward_funcs, train_dataset, **config):
+    import trl
+
+    tokenizer = None if isinstance(model, str) else tiny_model_and_tokenizer()[1]
+    settings = dict(
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=2,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+    )
+    return trl.GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **{**settings, **config}),
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+    )
+
+
+def none_for_even_rows(completions, row, **kwargs):
+    return [None if r % 2 == 0 else 1.0 for r in row]
+
+
+def logged_dict(records, start: str) -> dict:
+    import ast
+
+    message = next(r.getMessage() for r in records if start in r.getMessage())
+    return ast.literal_eval(message.splitlines()[1])
+
+
+@matches_trl
+def test_a_sample_no_reward_function_scores_is_warned_about_with_its_kwargs(
+    tmp_path, tiny_model_dir, caplog
+):
+    start = "All reward functions returned None for the following kwargs:"
+    with caplog.at_level(logging.WARNING):
+        trl_trainer(tmp_path, tiny_model_dir, none_for_even_rows, numbered_prompts(4)).train()
+    theirs = logged_dict(caplog.records, start)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_trainer(
+            tmp_path / "ours",
+            reward_funcs=none_for_even_rows,
+            dataset=numbered_prompts(4),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=1,
+        ).train()
+    ours = logged_dict(caplog.records, start)
+    assert list(ours) == list(theirs) == ["row", "prompt", "completion"]
+    assert ours["row"] % 2 == 0 and ours["prompt"] == f"Count to {ours['row']}:"
+
+
+@matches_trl
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo", "cispo", "grpo"])
+def test_sequence_level_ratios_with_a_token_summed_loss_are_warned_about(
+    tmp_path, tiny_model_dir, caplog, loss_type
+):
+    start = "When using `importance_sampling_level='sequence'`"
+    settings = dict(importance_sampling_level="sequence", loss_type=loss_type)
+    with caplog.at_level(logging.WARNING):
+        trl_trainer(tmp_path, tiny_model_dir, none_for_even_rows, numbered_prompts(4), **settings)
+    theirs = [message(r) for r in caplog.records if start in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_trainer(tmp_path / "ours", dataset=numbered_prompts(4), **settings)
+    ours = [message(r) for r in caplog.records if start in r.getMessage()]
+    assert len(ours) == len(theirs) == (loss_type != "grpo")
+    assert ours == theirs
+
+
+def message(record) -> str:
+    """A warning's text without accelerate's rank prefix and TRL's link to its docs."""
+    text = record.getMessage().removeprefix("[RANK 0] ")
+    return text.split(" (see https")[0].rstrip(".")
+
+
+@matches_trl
+def test_no_train_dataset_nor_environment_is_said_at_construction(tmp_path, caplog):
+    """TRL refuses it; here the trainer can still evaluate, so it is a warning that names
+    what TRL does, and train() is the error."""
+    model, tokenizer = tiny_model_and_tokenizer()
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_"):
+        trl_trainer(tmp_path, model, none_for_even_rows, None, report_to=[])
+    with caplog.at_level(logging.WARNING):
+        ours = GroupRelativeTrainer(
+            model=model,
+            reward_funcs=none_for_even_rows,
+            args=GroupRelativeConfig(str(tmp_path / "ours"), report_to="none"),
+            processing_class=tokenizer,
+        )
+    assert any("`train_dataset` is required" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="pass train_dataset"):
+        ours.train()
+
+
+def half_precision_model(folder, tied: bool) -> str:
+    """The tiny model, its output head tied to its input embeddings or not, saved in bfloat16."""
+    model, tokenizer = tiny_model_and_tokenizer()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@matches_trl
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_lm_head_to_fp32_casts_the_heads_weights_as_trl(tmp_path, tied):
+    folder = half_precision_model(tmp_path / "model", tied)
+    settings = dict(
+        cast_lm_head_to_fp32=True,
+        beta=0.1,  # a reference model, cast too
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
+    theirs = trl_trainer(tmp_path, folder, none_for_even_rows, numbered_prompts(4), **settings)
+    ours = make_trainer(
+        tmp_path / "ours",
+        model=folder,
+        peft=False,
+        dataset=numbered_prompts(4),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        **settings,
+    )
+    ids = torch.tensor([[3, 4, 5]])
+    for trainer in (theirs, ours):
+        for model in (trainer.model, trainer.ref_model):
+            assert model.lm_head.weight.dtype == torch.float32
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+            assert model.model.embed_tokens(ids).dtype == torch.bfloat16
+            assert model.model.norm.weight.dtype == torch.bfloat16
+            assert model(ids).logits.dtype == torch.float32
+    ours.train()
+    assert ours.model.lm_head.weight.dtype == torch.float32

@@ -151,8 +151,9 @@ class GroupRelativeConfig(TrainingArguments):
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
-            "help": "Compute the output head's logits in float32, in the log-prob passes and in "
-            "generation with transformers (the softmax is float32 always). A vLLM engine and the "
+            "help": "As TRL: the output head's weights become float32 (of the reference model "
+            "too) and compute the logits in float32, in the log-prob passes and in generation "
+            "with transformers (the softmax is float32 always). A vLLM engine and the "
             "asynchronous CPU rollout worker generate in the model's dtype."
         },
     )

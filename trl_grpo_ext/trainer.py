@@ -161,6 +161,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         environment_factory=None,
     ):
         args = preparation.trainer_config(model, args)
+        preparation.warn_as_trl(args, train_dataset, environment_factory)
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
         self.agent = preparation.agent(tools, environment_factory, rollout_func, args)
