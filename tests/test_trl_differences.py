@@ -246,3 +246,71 @@ def test_cast_lm_head_to_fp32_casts_the_heads_weights_as_trl(tmp_path, tied):
             assert model(ids).logits.dtype == torch.float32
     ours.train()
     assert ours.model.lm_head.weight.dtype == torch.float32
+
+
+# ------------------------------------------------------- TRL's public names, for subclasses
+
+
+def first_char_odd(completions, **kwargs):
+    return [float(ord(c[0]) % 2) if c else 0.0 for c in completions]
+
+
+@matches_trl
+def test_trls_public_helpers_give_trls_results(tmp_path, tiny_model_dir):
+    import trl
+
+    reward_funcs = [none_for_even_rows, first_char_odd]
+    theirs = trl_trainer(tmp_path, tiny_model_dir, reward_funcs, numbered_prompts(4))
+    ours = make_trainer(tmp_path / "ours", reward_funcs=reward_funcs, dataset=numbered_prompts(4))
+    assert (
+        ours.reward_func_names
+        == theirs.reward_func_names
+        == [
+            "none_for_even_rows",
+            "first_char_odd",
+        ]
+    )
+    generator = torch.Generator().manual_seed(0)
+    entropies = torch.rand(4, 6, generator=generator) * 3  # (B, T)
+    mask = (torch.rand(4, 6, generator=generator) > 0.3).long()
+    for threshold in (0.0, 0.2, 0.5, 0.8, 1.0):
+        assert torch.equal(
+            ours.get_high_entropy_mask(entropies, mask, threshold),
+            theirs.get_high_entropy_mask(entropies, mask, threshold),
+        ), threshold
+    advantages = torch.tensor([[1.0], [-0.5], [-1.0], [0.0]])  # (B, 1)
+    logps = -torch.rand(4, 6, generator=generator)
+    sampling = logps - torch.rand(4, 6, generator=generator) * 0.4
+    sampling[2, 1] = float("nan")  # a token the engine could not score
+    for threshold in (0.0, 0.1, 0.3):
+        args = (advantages, logps, sampling, mask.float(), threshold)
+        expected = trl.GRPOTrainer.get_off_policy_mask(*args)
+        assert torch.equal(type(ours).get_off_policy_mask(*args), expected)
+        assert torch.equal(ours.get_off_policy_mask(*args), expected)
+
+
+def test_overriding_trls_mask_helpers_changes_the_loss(tmp_path):
+    """A subclass that overrides `get_high_entropy_mask` or `get_off_policy_mask`, as TRL users
+    do, is what the loss uses: masks that drop every token leave a loss of exactly 0."""
+    calls = []
+
+    class DropEverything(GroupRelativeTrainer):
+        def get_high_entropy_mask(self, entropies, mask, threshold):
+            calls.append(("entropy", threshold))
+            return torch.zeros_like(mask, dtype=torch.bool)
+
+        @staticmethod
+        def get_off_policy_mask(advantages, per_token_logps, sampling, mask, threshold):
+            calls.append(("off_policy", threshold))
+            return torch.zeros(len(advantages), 1)
+
+    trainer = make_trainer(
+        tmp_path,
+        trainer_class=DropEverything,
+        max_steps=1,
+        top_entropy_quantile=0.2,
+        off_policy_mask_threshold=0.3,
+    )
+    trainer.train()
+    assert ("entropy", pytest.approx(0.8)) in calls and ("off_policy", 0.3) in calls
+    assert trainer.state.log_history[0]["loss"] == 0.0

@@ -63,8 +63,9 @@ from .objective import (
     LOSS_TYPE_TABLE,
     LossSettings,
     entropy_bonus,
+    entropy_quantile_mask,
     group_advantages,
-    high_entropy_mask,
+    off_policy_mask,
     policy_loss,
 )
 from .off_policy import behaviour_correction
@@ -343,13 +344,8 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
-            entropy_mask = high_entropy_mask(
-                entropy.detach(),
-                batch["completion_mask"],
-                args.top_entropy_quantile,
-                pooled_entropy=pooled_entropies(
-                    self.accelerator, entropy, batch["completion_mask"]
-                ),
+            entropy_mask = self.get_high_entropy_mask(
+                entropy.detach(), batch["completion_mask"], 1 - args.top_entropy_quantile
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         settings = self.loss_settings
@@ -364,6 +360,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             importance_weights=importance_weights,
             entropy_mask=entropy_mask,
             sampling_logps=batch.get("behaviour_logps"),
+            sequence_mask_fn=self.get_off_policy_mask,
         )
         stats.update(off_policy_stats)
         if LOSS_TYPE_TABLE[settings.loss_type].aggregation != "dapo":
@@ -384,6 +381,38 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             loss = sum(p.view(-1)[0] for p in trainable) * 0.0
         return loss, metrics
+
+    # ------------------------------------------- TRL's public helpers, for subclasses
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The reward functions' names, in order, as TRL's `GRPOTrainer.reward_func_names`
+        (those of the metrics `rewards/<name>/mean`)."""
+        return self.reward_names
+
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """TRL's `get_high_entropy_mask`: the tokens of `mask` `(B, T)` whose entropy is at
+        least the `threshold`-quantile of the completion tokens' entropies on all processes
+        (`1 - top_entropy_quantile` in training); `(B, T)` bool. A subclass may override it."""
+        pooled = pooled_entropies(self.accelerator, entropies, mask)
+        return entropy_quantile_mask(entropies, mask, threshold, pooled_entropy=pooled)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's `get_off_policy_mask` (DeepSeek-V3.2's off-policy sequence mask,
+        `objective.off_policy_mask`): `(B, 1)`, 1.0 to keep a sequence, 0.0 to drop it. The
+        loss calls it when `off_policy_mask_threshold` is set; a subclass may override it."""
+        return off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
 
     # ------------------------------------------------------------------ internals
 
