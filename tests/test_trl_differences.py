@@ -314,3 +314,93 @@ def test_overriding_trls_mask_helpers_changes_the_loss(tmp_path):
     trainer.train()
     assert ("entropy", pytest.approx(0.8)) in calls and ("off_policy", 0.3) in calls
     assert trainer.state.log_history[0]["loss"] == 0.0
+
+
+# ------------------------------------------------------------------ entropy regularisation
+
+
+def entropy_runs(tmp_path, tiny_model_dir, **settings):
+    """TRL's and our logs of the same short run: one micro-batch per step, so a step's logged
+    loss is its micro-batch's."""
+    settings = dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        **settings,
+    )
+    theirs = trl_trainer(tmp_path, tiny_model_dir, first_char_odd, numbered_prompts(8), **settings)
+    theirs.train()
+    ours = make_trainer(
+        tmp_path / "ours", reward_funcs=first_char_odd, dataset=numbered_prompts(8), **settings
+    )
+    ours.train()
+    logs = lambda t: [e for e in t.state.log_history if "loss" in e]  # noqa: E731
+    return logs(theirs), logs(ours)
+
+
+@matches_trl
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+def test_a_static_entropy_bonus_logs_trls_policy_loss_at_trls_scale(
+    tmp_path, tiny_model_dir, loss_type
+):
+    """loss = policy_loss - entropy_coef * entropy for every loss type (the bonus is a plain mean
+    entropy, never rescaled to a loss type's normalisation), in TRL's logs and ours."""
+    theirs, ours = entropy_runs(
+        tmp_path, tiny_model_dir, loss_type=loss_type, entropy_coef=0.1, max_steps=1
+    )
+    for logs in (theirs, ours):
+        (log,) = logs
+        assert log["entropy_coef"] == pytest.approx(0.1)
+        assert log["entropy"] > 1.0  # so that the bonus is visible
+        assert log["loss"] == pytest.approx(log["policy_loss"] - 0.1 * log["entropy"], abs=1e-3)
+
+
+@matches_trl
+@pytest.mark.parametrize("target", [100.0, 0.01])
+def test_adaptive_entropy_moves_and_applies_the_coefficient_as_trl(
+    tmp_path, tiny_model_dir, target
+):
+    """use_adaptive_entropy: the coefficient rises by entropy_coef_delta each step while the
+    entropy is at or below entropy_target (applied from the next step on), and falls to
+    entropy_coef_min otherwise (never applied)."""
+    theirs, ours = entropy_runs(
+        tmp_path,
+        tiny_model_dir,
+        use_adaptive_entropy=True,
+        entropy_coef=0.02,
+        entropy_coef_delta=0.05,
+        entropy_coef_max=0.2,
+        entropy_target=target,
+        max_steps=3,
+    )
+    coefs = [log["entropy_coef"] for log in ours]
+    assert coefs == pytest.approx([log["entropy_coef"] for log in theirs])
+    if target > 1:
+        assert coefs == pytest.approx([0.07, 0.12, 0.17])
+    else:
+        assert coefs == [0.0, 0.0, 0.0]
+    for logs in (theirs, ours):
+        applied = [0.0] + ([log["entropy_coef"] for log in logs[:-1]] if target > 1 else [0.0] * 2)
+        for log, coef in zip(logs, applied):
+            expected = log["policy_loss"] - coef * log["entropy"]
+            assert log["loss"] == pytest.approx(expected, abs=1e-3)
+
+
+def test_adaptive_entropy_state_resumes_from_a_checkpoint(tmp_path):
+    settings = dict(
+        use_adaptive_entropy=True,
+        entropy_coef_delta=0.05,
+        entropy_target=100.0,
+        save_strategy="steps",
+        save_steps=2,
+        max_steps=2,
+    )
+    first = make_trainer(tmp_path, **settings)
+    first.train()
+    resumed = make_trainer(tmp_path, **{**settings, "max_steps": 3})
+    resumed.train(resume_from_checkpoint=True)
+    assert [e["entropy_coef"] for e in resumed.state.log_history if "loss" in e][-1] == (
+        pytest.approx(0.15)
+    )

@@ -53,7 +53,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "vllm_model_impl": "leave it at 'vllm'",
     "vllm_structured_outputs_regex": "leave it unset; constrain completions with a reward",
     "router_aux_loss_coef": "train dense models, or leave it unset",
-    "use_adaptive_entropy": "set entropy_coef to a fixed value instead",
     "use_transformers_continuous_batching": "leave it false: the transformers engine already "
     "encodes each prompt once per group and takes finished rows out of the batch, 4-5x faster per "
     "token than continuous batching on a CPU (docs/benchmarks.md); use_vllm=True gives vLLM's "
@@ -384,12 +383,27 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     use_adaptive_entropy: bool = field(
-        default=False, metadata={"help": "Skywork-OR1 adaptive entropy control (TRL)."}
+        default=False,
+        metadata={
+            "help": "Skywork-OR1 adaptive entropy control, as TRL: each optimizer step, "
+            "entropy_coef moves by entropy_coef_delta, up when the step's mean entropy of the "
+            "trained tokens is at or below entropy_target, down otherwise, and is applied only "
+            "then (entropy_control.py)."
+        },
     )
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy (TRL)."})
+    entropy_coef_min: float = field(
+        default=0.0, metadata={"help": "Lowest entropy_coef of adaptive entropy control."}
+    )
+    entropy_coef_max: float = field(
+        default=1.0, metadata={"help": "Highest entropy_coef of adaptive entropy control."}
+    )
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Step of entropy_coef per optimizer step (adaptive)."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={"help": "Mean entropy (nats) at or below which the adaptive bonus applies."},
+    )
     sync_ref_model: bool = field(
         default=False,
         metadata={

@@ -40,6 +40,7 @@ from .checkpoints import (
 )
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
+from .entropy_control import EntropyControl
 from .eval_rewards import mean_rewards
 from .generation import check_prompt_dataset
 from .generation.images import text_tokenizer
@@ -203,6 +204,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         self.eos_token_ids = eos_token_ids(model, text_tokenizer(processing_class))
         self.rollouts = preparation.rollout_producer(self, model, engine_folder)
         self.environments: list | None = None  # those of the latest generation batch, as TRL
+        self.entropy_control = EntropyControl(args)  # entropy_coef, static or adaptive
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
@@ -363,15 +365,24 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             sequence_mask_fn=self.get_off_policy_mask,
         )
         stats.update(off_policy_stats)
+        control = self.entropy_control
+        if control.enabled:
+            stats["policy_loss"] = loss.detach()  # TRL's metric: before accumulation scaling
         if LOSS_TYPE_TABLE[settings.loss_type].aggregation != "dapo":
             # The other aggregations are per-micro-batch means (see the docstring).
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
-        if args.entropy_coef:
+        if control.enabled:
             # TRL's entropy bonus: a plain mean over the trained tokens whatever the loss type,
             # so it is scaled for gradient accumulation only.
             bonus = entropy_bonus(entropy, mask, entropy_mask)
-            loss = loss - args.entropy_coef * bonus / self.current_gradient_accumulation_steps
+            coef = control.applied_coef()  # the same for every micro-batch of a step
+            loss = loss - coef * bonus / self.current_gradient_accumulation_steps
+            trained = mask if entropy_mask is None else mask * entropy_mask
+            step_ends = self.accelerator.sync_gradients
+            control.record(entropy, trained, step_ends, self._sum_over_processes)
+            if step_ends:
+                self._metrics["entropy_coef"].append(control.coef)
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         metrics = extremes_over_processes(stats, self.accelerator.gather)
         if no_signal:
@@ -433,7 +444,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         (a KL term) enters the loss. Never with several processes, DeepSpeed or FSDP, where a
         skipped forward pass would leave the other processes waiting in a collective or break
         the engine's hooks."""
-        if self.args.beta != 0 or self.args.entropy_coef != 0 or self.args.world_size > 1:
+        if self.args.beta != 0 or self.entropy_control.enabled or self.args.world_size > 1:
             return False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
@@ -612,6 +623,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
             restore_trainer_rollout_state(self, resume_from_checkpoint)
+            self.entropy_control.load(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
@@ -640,3 +652,5 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         process writes its own, before `trainer_state.json` marks the checkpoint complete."""
         super()._save_rng_state(output_dir)
         save_trainer_rollout_state(self, output_dir)
+        if self.args.should_save:
+            self.entropy_control.save(output_dir)
