@@ -404,3 +404,119 @@ def test_adaptive_entropy_state_resumes_from_a_checkpoint(tmp_path):
     assert [e["entropy_coef"] for e in resumed.state.log_history if "loss" in e][-1] == (
         pytest.approx(0.15)
     )
+
+
+# ------------------------------------------------------------------ MoE router auxiliary loss
+
+
+def tiny_moe(tmp_path) -> str:
+    """A two-layer Qwen3-MoE (4 experts, 2 per token) built from its config, saved with the
+    tiny tokenizer; its config declares router_aux_loss_coef 0.001, as Qwen3-MoE's does."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    _, tokenizer = tiny_model_and_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path / "moe"
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@matches_trl
+@pytest.mark.parametrize(
+    ("coef", "expected"), [(None, (0.001, True)), (0.0, (0.0, False)), (0.05, (0.05, True))]
+)
+def test_router_aux_loss_is_enabled_and_weighted_as_trl(tmp_path, coef, expected):
+    folder = tiny_moe(tmp_path)
+    settings = dict(router_aux_loss_coef=coef, max_steps=1)
+    theirs = trl_trainer(tmp_path, folder, first_char_odd, numbered_prompts(4), **settings)
+    ours = make_trainer(
+        tmp_path / "ours",
+        model=folder,
+        peft=False,
+        reward_funcs=first_char_odd,
+        dataset=numbered_prompts(4),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        **settings,
+    )
+    for trainer in (theirs, ours):
+        assert (trainer.router_aux_loss_coef, trainer.aux_loss_enabled) == expected
+    theirs.train()
+    ours.train()
+    for trainer in (theirs, ours):
+        assert ("aux_loss" in trainer.state.log_history[0]) == expected[1]
+
+
+@matches_trl
+def test_router_aux_loss_coef_on_a_dense_model_is_an_error_as_in_trl(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
+        trl_trainer(
+            tmp_path, tiny_model_dir, first_char_odd, numbered_prompts(4), router_aux_loss_coef=0.1
+        )
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts model.*leave router_aux_loss"):
+        make_trainer(tmp_path / "ours", router_aux_loss_coef=0.1)
+
+
+def test_the_router_aux_loss_is_the_models_own_over_every_row_weighted(tmp_path):
+    """The loss of a micro-batch is the policy loss plus router_aux_loss_coef times the aux
+    loss that the model itself returns for the micro-batch's rows in full (TRL's definition),
+    divided by the accumulation steps; `aux_loss` logs it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_moe(tmp_path)
+    checks = []
+
+    class Recording(GroupRelativeTrainer):
+        def compute_objective(self, model, batch):
+            with torch.no_grad():
+                expected = model(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    output_router_logits=True,
+                ).aux_loss
+            loss, metrics = super().compute_objective(model, batch)
+            self.aux_loss_enabled = False
+            policy_only, _ = super().compute_objective(model, batch)
+            self.aux_loss_enabled = True
+            scale = 0.5 / self.current_gradient_accumulation_steps
+            checks.append(
+                ((loss - policy_only).detach(), scale * expected, metrics["aux_loss"], expected)
+            )
+            return loss, metrics
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    trainer = make_trainer(
+        tmp_path / "ours",
+        model=model,
+        tokenizer=tiny_model_and_tokenizer()[1],
+        peft=False,
+        trainer_class=Recording,
+        router_aux_loss_coef=0.5,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+    )
+    trainer.train()
+    assert len(checks) == 2
+    for difference, weighted, logged, expected in checks:
+        assert float(expected) > 0
+        assert float(difference) == pytest.approx(float(weighted), rel=1e-4)
+        assert logged == pytest.approx(float(expected), rel=1e-5)

@@ -52,7 +52,6 @@ TRL_DIFFERENCES: dict[str, str] = {
 NOT_IMPLEMENTED: dict[str, str] = {
     "vllm_model_impl": "leave it at 'vllm'",
     "vllm_structured_outputs_regex": "leave it unset; constrain completions with a reward",
-    "router_aux_loss_coef": "train dense models, or leave it unset",
     "use_transformers_continuous_batching": "leave it false: the transformers engine already "
     "encodes each prompt once per group and takes finished rows out of the batch, 4-5x faster per "
     "token than continuous batching on a CPU (docs/benchmarks.md); use_vllm=True gives vLLM's "
@@ -177,7 +176,11 @@ class GroupRelativeConfig(TrainingArguments):
     )
     router_aux_loss_coef: float | None = field(
         default=None,
-        metadata={"help": "MoE load-balancing loss weight (TRL); not implemented here."},
+        metadata={
+            "help": "Weight of the load-balancing auxiliary loss of Mixture-of-Experts models, "
+            "added to the training loss, as TRL. None: the model config's own value; 0.0 "
+            "disables it. An error with a model that is not a MoE (router_loss.py)."
+        },
     )
     pad_to_multiple_of: int | str | None = field(
         default="auto",

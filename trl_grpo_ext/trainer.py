@@ -71,6 +71,7 @@ from .objective import (
 )
 from .off_policy import behaviour_correction
 from .resume_weights import FullWeightsMixin
+from .router_loss import captured_aux_losses, router_aux_loss_coef
 from .sampler import collate_rows, micro_batches_per_epoch, train_dataloader
 from .scoring import call_reward_funcs
 
@@ -205,6 +206,8 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         self.rollouts = preparation.rollout_producer(self, model, engine_folder)
         self.environments: list | None = None  # those of the latest generation batch, as TRL
         self.entropy_control = EntropyControl(args)  # entropy_coef, static or adaptive
+        # MoE load-balancing loss, TRL's names (router_loss.py)
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss_coef(model, args)
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
@@ -342,8 +345,11 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         """
         args = self.args
         no_signal = self._carries_no_signal(batch)
-        with torch.no_grad() if no_signal else nullcontext():
-            logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        aux_losses = captured_aux_losses(model) if self.aux_loss_enabled else nullcontext([])
+        with torch.no_grad() if no_signal else nullcontext(), aux_losses as aux_losses:
+            logps, entropy = self._token_logprobs(
+                model, batch, return_entropy=True, router_logits=self.aux_loss_enabled
+            )
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(
@@ -383,6 +389,13 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             control.record(entropy, trained, step_ends, self._sum_over_processes)
             if step_ends:
                 self._metrics["entropy_coef"].append(control.coef)
+        if aux_losses:  # as TRL: scaled for gradient accumulation like the policy loss
+            aux_loss = torch.stack(aux_losses).mean()
+            loss = (
+                loss
+                + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+            )
+            stats["aux_loss"] = aux_loss.detach()
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         metrics = extremes_over_processes(stats, self.accelerator.gather)
         if no_signal:
@@ -444,14 +457,19 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         (a KL term) enters the loss. Never with several processes, DeepSpeed or FSDP, where a
         skipped forward pass would leave the other processes waiting in a collective or break
         the engine's hooks."""
-        if self.args.beta != 0 or self.entropy_control.enabled or self.args.world_size > 1:
+        if self.args.beta != 0 or self.entropy_control.enabled or self.aux_loss_enabled:
+            return False
+        if self.args.world_size > 1:
             return False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
         signal = (batch["advantages"] != 0).unsqueeze(1) & batch["completion_mask"].bool()
         return not bool(signal.any())
 
-    def _token_logprobs(self, model, batch, return_entropy=False):
+    def _token_logprobs(self, model, batch, return_entropy=False, router_logits=False):
+        model_inputs = image_model_inputs(batch)
+        if router_logits:  # a MoE's auxiliary loss, over every row in full (not packed), as TRL
+            model_inputs["output_router_logits"] = True
         return completion_logprobs(
             model,
             batch["input_ids"],
@@ -461,7 +479,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             return_entropy=return_entropy,
             logprob_chunk_tokens=self.args.logprob_chunk_tokens,
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-            model_inputs=image_model_inputs(batch),
+            model_inputs=model_inputs,
         )
 
     def _logps_in_chunks(self, model, tensors, chunk_size):
