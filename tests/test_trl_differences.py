@@ -389,7 +389,10 @@ def test_adaptive_entropy_moves_and_applies_the_coefficient_as_trl(
 
 
 def test_adaptive_entropy_state_resumes_from_a_checkpoint(tmp_path):
+    """The coefficient moves once per optimizer step (two micro-batches each here) and a
+    resumed run continues from the checkpoint's coefficient."""
     settings = dict(
+        gradient_accumulation_steps=2,
         use_adaptive_entropy=True,
         entropy_coef_delta=0.05,
         entropy_target=100.0,
