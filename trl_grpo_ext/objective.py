@@ -806,10 +806,8 @@ def policy_loss(
         sampling_logps (`torch.Tensor`, *optional*):
             Log-probabilities under the policy that sampled the tokens (e.g. the generation
             engine's), `(B, T)`, for the off-policy mask. Defaults to `old_logps`.
-        sequence_mask_fn (`Callable`, *optional*):
-            Computes the off-policy sequence mask, with `off_policy_mask`'s arguments (TRL's
-            `get_off_policy_mask`, which a trainer subclass may override). Defaults to
-            `off_policy_mask`.
+        sequence_mask_fn (`Callable`, *optional*, defaults to `off_policy_mask`):
+            Computes the off-policy sequence mask (the trainer's `get_off_policy_mask`).
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss, and detached scalar
