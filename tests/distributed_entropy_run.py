@@ -13,24 +13,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from trainer_helpers import digit_sums, make_trainer, odd_first_byte  # noqa: E402
 
-from trl_grpo_ext import trainer as trainer_module  # noqa: E402
+from trl_grpo_ext import GroupRelativeTrainer  # noqa: E402
 
 output_dir = sys.argv[1]
 rank = int(os.environ.get("RANK", 0))
 calls = []
-original = trainer_module.high_entropy_mask
 
 
-def recording_mask(entropy, completion_mask, top_entropy_quantile, **kwargs):
-    kept = original(entropy, completion_mask, top_entropy_quantile, **kwargs)
-    is_token = completion_mask.bool()
-    calls.append({"entropy": entropy[is_token].tolist(), "kept": kept[is_token].tolist()})
-    return kept
+class RecordingTrainer(GroupRelativeTrainer):
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        kept = super().get_high_entropy_mask(entropies, mask, threshold)
+        is_token = mask.bool()
+        calls.append({"entropy": entropies[is_token].tolist(), "kept": kept[is_token].tolist()})
+        return kept
 
 
-trainer_module.high_entropy_mask = recording_mask
 trainer = make_trainer(
     output_dir,
+    trainer_class=RecordingTrainer,
     reward_funcs=[odd_first_byte],
     dataset=digit_sums(4),
     per_device_train_batch_size=8,

@@ -62,8 +62,8 @@ class Recording:
         self.batches, self.grads = [], []
         compute, logprobs = trainer.compute_objective, trainer._token_logprobs
 
-        def token_logprobs(model, batch, return_entropy=False):
-            logps, entropy = logprobs(model, batch, return_entropy=return_entropy)
+        def token_logprobs(model, batch, return_entropy=False, **kwargs):
+            logps, entropy = logprobs(model, batch, return_entropy=return_entropy, **kwargs)
             logps.retain_grad()
             self.logps = logps
             return logps, entropy

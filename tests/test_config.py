@@ -108,7 +108,6 @@ def test_defaults_run_on_cpu(tmp_path):
         ({"epsilon": 0.0}, "positive"),
         ({"epsilon_high": -0.1}, "positive"),
         ({"beta": -0.01}, "beta"),
-        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of"),
         ({"steps_per_generation": 2, "generation_batch_size": 16}, "not both"),
         ({"generation_batch_size": 12, "per_device_train_batch_size": 8}, "divisible"),
         ({"temperature": 0.0}, "temperature"),

@@ -87,8 +87,16 @@ def split_micro_batches(
     ]
     for start in range(0, len(micro_batches), accumulation_steps):
         step = micro_batches[start : start + accumulation_steps]
-        tokens = sum(batch["completion_mask"].sum() for batch in step)
-        tokens = sum_over_processes(tokens.float()).clamp(min=1)
+        tokens = step_tokens(step, sum_over_processes)
         for batch in step:
             batch["num_items_in_batch"] = tokens
     return micro_batches
+
+
+def step_tokens(
+    micro_batches: list[dict], sum_over_processes: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The completion-token count of one optimizer step's micro-batches over all processes (at
+    least 1): the "dapo" denominator."""
+    tokens = sum(batch["completion_mask"].sum() for batch in micro_batches)
+    return sum_over_processes(tokens.float()).clamp(min=1)

@@ -310,11 +310,24 @@ def load_rollout_state(
 # ------------------------------------------------------------------------ the trainer's side
 
 
-def inside_window(global_step: int, args) -> bool:
+def epoch_micro_step(global_step: int, args, micro_batches_per_epoch: int | None) -> int:
+    """The index, within its epoch, of the first micro-batch of optimizer step `global_step`.
+
+    An epoch of the data loader is whole generation windows; when that is not whole optimizer
+    steps (`steps_per_generation` not a multiple of `gradient_accumulation_steps`), the
+    Trainer's last step of each epoch is shorter, and the next epoch starts a new window.
+    `micro_batches_per_epoch` is None for a stream (one endless epoch)."""
+    accumulation = args.gradient_accumulation_steps
+    if micro_batches_per_epoch:
+        global_step %= -(-micro_batches_per_epoch // accumulation)  # the Trainer's steps/epoch
+    return global_step * accumulation
+
+
+def inside_window(global_step: int, args, micro_batches_per_epoch: int | None = None) -> bool:
     """Whether optimizer step `global_step` falls inside a generation window (the next step
     trains on buffered micro-batches rather than sampling a new generation batch)."""
     window = args.steps_per_generation * args.num_iterations
-    return global_step * args.gradient_accumulation_steps % window != 0
+    return epoch_micro_step(global_step, args, micro_batches_per_epoch) % window != 0
 
 
 def save_trainer_rollout_state(trainer, output_dir: str) -> None:
@@ -335,6 +348,8 @@ def restore_trainer_rollout_state(trainer, checkpoint: str) -> None:
         trainer.accelerator.device,
         args.process_index,
         args.world_size,
-        needed=bool(inside_window(step, args) or args.max_staleness),
+        needed=bool(
+            inside_window(step, args, trainer.micro_batches_per_epoch) or args.max_staleness
+        ),
     ) or RolloutState(global_step=step)
     trainer.load_rollout_state(state)

@@ -52,8 +52,6 @@ TRL_DIFFERENCES: dict[str, str] = {
 NOT_IMPLEMENTED: dict[str, str] = {
     "vllm_model_impl": "leave it at 'vllm'",
     "vllm_structured_outputs_regex": "leave it unset; constrain completions with a reward",
-    "router_aux_loss_coef": "train dense models, or leave it unset",
-    "use_adaptive_entropy": "set entropy_coef to a fixed value instead",
     "use_transformers_continuous_batching": "leave it false: the transformers engine already "
     "encodes each prompt once per group and takes finished rows out of the batch, 4-5x faster per "
     "token than continuous batching on a CPU (docs/benchmarks.md); use_vllm=True gives vLLM's "
@@ -151,8 +149,9 @@ class GroupRelativeConfig(TrainingArguments):
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
-            "help": "Compute the output head's logits in float32, in the log-prob passes and in "
-            "generation with transformers (the softmax is float32 always). A vLLM engine and the "
+            "help": "As TRL: the output head's weights become float32 (of the reference model "
+            "too) and compute the logits in float32, in the log-prob passes and in generation "
+            "with transformers (the softmax is float32 always). A vLLM engine and the "
             "asynchronous CPU rollout worker generate in the model's dtype."
         },
     )
@@ -177,7 +176,11 @@ class GroupRelativeConfig(TrainingArguments):
     )
     router_aux_loss_coef: float | None = field(
         default=None,
-        metadata={"help": "MoE load-balancing loss weight (TRL); not implemented here."},
+        metadata={
+            "help": "Weight of the load-balancing auxiliary loss of Mixture-of-Experts models, "
+            "added to the training loss, as TRL. None: the model config's own value; 0.0 "
+            "disables it. An error with a model that is not a MoE (router_loss.py)."
+        },
     )
     pad_to_multiple_of: int | str | None = field(
         default="auto",
@@ -263,7 +266,8 @@ class GroupRelativeConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Micro-batches per generation batch. Defaults to gradient_accumulation_steps "
-            "(one generation per optimizer step); must be a multiple of it."
+            "(one generation per optimizer step). Any value, as in TRL: when it is not a multiple, an "
+            "optimizer step may train on the end of one generation batch and the start of the next."
         },
     )
     generation_batch_size: int | None = field(
@@ -382,12 +386,27 @@ class GroupRelativeConfig(TrainingArguments):
         },
     )
     use_adaptive_entropy: bool = field(
-        default=False, metadata={"help": "Skywork-OR1 adaptive entropy control (TRL)."}
+        default=False,
+        metadata={
+            "help": "Skywork-OR1 adaptive entropy control, as TRL: each optimizer step, "
+            "entropy_coef moves by entropy_coef_delta, up when the step's mean entropy of the "
+            "trained tokens is at or below entropy_target, down otherwise, and is applied only "
+            "then (entropy_control.py)."
+        },
     )
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy (TRL)."})
-    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy (TRL)."})
+    entropy_coef_min: float = field(
+        default=0.0, metadata={"help": "Lowest entropy_coef of adaptive entropy control."}
+    )
+    entropy_coef_max: float = field(
+        default=1.0, metadata={"help": "Highest entropy_coef of adaptive entropy control."}
+    )
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Step of entropy_coef per optimizer step (adaptive)."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={"help": "Mean entropy (nats) at or below which the adaptive bonus applies."},
+    )
     sync_ref_model: bool = field(
         default=False,
         metadata={
@@ -956,14 +975,6 @@ RULES: tuple[Callable[[GroupRelativeConfig], None], ...] = (
         for name in ("steps_per_generation", "generation_batch_size")
     ),
     _generation_batch,
-    Rule(
-        lambda c: c.steps_per_generation % c.gradient_accumulation_steps,
-        lambda c: (
-            f"steps_per_generation={c.steps_per_generation} must be a multiple of "
-            f"gradient_accumulation_steps={c.gradient_accumulation_steps}, so that an optimizer "
-            "step never waits for a generation batch that has not been sampled yet."
-        ),
-    ),
     Rule(
         lambda c: _local_generation_batch(c) % c.num_generations,
         lambda c: (

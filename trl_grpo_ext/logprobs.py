@@ -569,6 +569,25 @@ def float32_head(model):
             head.forward = previous
 
 
+def cast_output_head_to_float32(model) -> None:
+    """TRL's `cast_lm_head_to_fp32` on the model itself: the output head's weight and bias
+    become float32 parameters (trained and stored in float32) and it computes its logits from
+    float32 hidden states. With tied embeddings the input embeddings share that weight, and
+    their outputs are cast back to the model's dtype, as TRL does."""
+    head = output_head(model)
+    if head is None:
+        raise ValueError(FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD)
+    dtype = head.weight.dtype
+    if dtype == torch.float32:
+        return
+    head.float()  # in place: a tied input embedding shares the same parameter
+    head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(), *inputs[1:]))
+    causal_lm = transformers_model(model)
+    embeddings = causal_lm.get_input_embeddings()
+    if embeddings is not None and embeddings.weight is head.weight:
+        embeddings.register_forward_hook(lambda module, inputs, output: output.to(dtype))
+
+
 FLOAT32_HEAD_NEEDS_A_PLAIN_HEAD = (
     "cast_lm_head_to_fp32=True needs the model's output head to be a plain nn.Linear whose "
     "weight is not sharded: remove lm_head from the adapter's target modules (and "
@@ -645,7 +664,8 @@ def completion_logprobs(
             few float32 buffers of `logprob_chunk_tokens * V` values.
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Compute the logits in float32 from float32 hidden states and head weight, as TRL's
-            `cast_lm_head_to_fp32` (here without changing the model's parameters).
+            `cast_lm_head_to_fp32`, which also makes the head's parameters float32
+            (`cast_output_head_to_float32`).
         model_inputs (`dict`, *optional*):
             More keyword arguments of the forward pass, for these rows: a vision-language
             model's `pixel_values` and the like. Rows are then not packed (each row's image

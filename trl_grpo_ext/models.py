@@ -357,6 +357,10 @@ def prepare_policy(model, args, peft_config=None):
         from trl.trainer.utils import disable_dropout_in_model
 
         disable_dropout_in_model(model)
+    if args.cast_lm_head_to_fp32:
+        from .logprobs import cast_output_head_to_float32
+
+        cast_output_head_to_float32(model)  # before the reference copy, which TRL casts too
     ref_model = None
     if args.beta > 0 and not is_peft_model(model):
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)

@@ -339,12 +339,27 @@ def high_entropy_mask(
     is_token = completion_mask.bool()  # (B, T)
     if top_entropy_quantile >= 1.0:
         return is_token
+    return entropy_quantile_mask(
+        entropy, completion_mask, 1.0 - top_entropy_quantile, pooled_entropy
+    )
+
+
+def entropy_quantile_mask(
+    entropy: torch.Tensor,
+    completion_mask: torch.Tensor,
+    quantile: float,
+    pooled_entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The completion tokens whose entropy is at least the `quantile`-quantile of
+    `pooled_entropy` (by default, of this batch's completion tokens): TRL's
+    `get_high_entropy_mask(entropies, mask, threshold=quantile)`; `(B, T)` bool."""
+    is_token = completion_mask.bool()  # (B, T)
     if pooled_entropy is None:
         pooled_entropy = entropy[is_token]  # (number of completion tokens,)
     pooled_entropy = pooled_entropy.detach().float()
     if pooled_entropy.numel() == 0:
         return torch.zeros_like(is_token)
-    threshold = torch.quantile(pooled_entropy, 1.0 - top_entropy_quantile)
+    threshold = torch.quantile(pooled_entropy, quantile)
     return (entropy.detach() >= threshold) & is_token  # (B, T)
 
 
@@ -746,6 +761,7 @@ def policy_loss(
     importance_weights: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    sequence_mask_fn: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative policy loss: a per-token surrogate and an optional k3 KL penalty,
     aggregated over tokens, both chosen by `settings.loss_type` (TRL 1.16's `loss_type`s).
@@ -790,6 +806,8 @@ def policy_loss(
         sampling_logps (`torch.Tensor`, *optional*):
             Log-probabilities under the policy that sampled the tokens (e.g. the generation
             engine's), `(B, T)`, for the off-policy mask. Defaults to `old_logps`.
+        sequence_mask_fn (`Callable`, *optional*, defaults to `off_policy_mask`):
+            Computes the off-policy sequence mask (the trainer's `get_off_policy_mask`).
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss, and detached scalar
@@ -827,6 +845,7 @@ def policy_loss(
         completion_mask=completion_mask,
         entropy_mask=entropy_mask,
         ref_logps=ref_logps,
+        sequence_mask_fn=sequence_mask_fn or off_policy_mask,
     )
     loss = _aggregate(settings, per_token_loss, inputs.mask, num_items_in_batch)
     return loss, _statistics(surrogate_stats, inputs.ratio, per_token_kl, inputs.mask)
@@ -898,7 +917,15 @@ def _surrogate_inputs(logps, old_logps, advantages, completion_mask, importance_
 
 
 def _per_token_loss(
-    inputs, settings, *, logps, sampling_logps, completion_mask, entropy_mask, ref_logps
+    inputs,
+    settings,
+    *,
+    logps,
+    sampling_logps,
+    completion_mask,
+    entropy_mask,
+    ref_logps,
+    sequence_mask_fn,
 ):
     """Step 6: the surrogate of `settings.loss_type` times the off-policy and entropy masks,
     plus the KL term; `(B, T)`, 0 at padding. Also returns the surrogate's statistics and the
@@ -906,7 +933,7 @@ def _per_token_loss(
     surrogate_name = LOSS_TYPE_TABLE[settings.loss_type].surrogate
     per_token_loss, surrogate_stats = _SURROGATES[surrogate_name](inputs, settings)
     if settings.off_policy_mask_threshold is not None:
-        keep = off_policy_mask(
+        keep = sequence_mask_fn(
             inputs.advantages,
             logps,
             sampling_logps,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import weakref
 
@@ -33,6 +34,11 @@ from .generation.settings import GenerationSettings
 from .hub import is_peft_model
 from .rewards.model import RewardModel, resolve_reward_models
 from .scoring import resolve_reward_funcs, reward_func_list, reward_name, reward_weights
+
+logger = logging.getLogger(__name__)
+
+# Loss types that sum per-token terms (TRL's list for its sequence-level warning).
+TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 def trainer_config(model, args: GroupRelativeConfig | None) -> GroupRelativeConfig:
@@ -98,6 +104,26 @@ def check_images(
         unsupported = images_unsupported(args.use_vllm)
         if unsupported:
             raise ValueError(f"{split}: {unsupported}")
+
+
+def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -> None:
+    """The warnings `trl.GRPOTrainer` gives at construction: sequence-level importance
+    sampling with a loss type that sums per-token terms; and, where TRL raises, a trainer with
+    neither a train dataset nor an environment (here it can still `evaluate()`)."""
+    level, loss_type = args.importance_sampling_level, args.loss_type
+    if level == "sequence" and loss_type in TOKEN_SUMMED_LOSS_TYPES:
+        logger.warning(
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums "
+            "per-token contributions, which effectively weights each sequence by its completion "
+            "length instead of optimizing the per-sequence objective. To reproduce the GSPO "
+            "paper's setup, set `loss_type='grpo'`."
+        )
+    if train_dataset is None and environment_factory is None:
+        logger.warning(
+            "No train_dataset and no environment_factory: this trainer can evaluate() and "
+            "score, but train() will fail (trl.GRPOTrainer refuses it here: `train_dataset` is "
+            "required unless an `environment_factory` is provided). Pass train_dataset to train."
+        )
 
 
 def environment_dataset(train_dataset, environment_factory, args: GroupRelativeConfig):

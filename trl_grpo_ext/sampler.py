@@ -131,3 +131,11 @@ def train_dataloader(dataset, args) -> DataLoader:
         )
     sampler = GenerationBatchSampler(num_rows=len(dataset), **batches)
     return EpochDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+
+
+def micro_batches_per_epoch(dataset, args) -> int | None:
+    """How many micro-batches `train_dataloader` yields per epoch (None for a stream)."""
+    if dataset is None or isinstance(dataset, datasets.IterableDataset):
+        return None
+    batches = len(dataset) // (args.prompts_per_generation * args.world_size)
+    return batches * args.steps_per_generation * args.num_iterations

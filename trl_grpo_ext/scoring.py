@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 import torch
+
+logger = logging.getLogger(__name__)
+
+# What reward functions receive besides the columns of one completion's row.
+NOT_ROW_KWARGS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
 
 
 class RewardFunctionError(RuntimeError):
@@ -170,4 +183,22 @@ def call_reward_funcs(reward_funcs: list[Callable], **kwargs) -> torch.Tensor:
                 f"Reward function {name!r} raised {type(outcome).__name__}: {outcome}"
             ) from outcome
         columns.append(_check_scores(name, outcome, expected))
-    return torch.tensor(columns, dtype=torch.float32).T.reshape(expected, len(reward_funcs))
+    rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(expected, len(reward_funcs))
+    warn_if_unscored(rewards, kwargs)
+    return rewards
+
+
+def warn_if_unscored(rewards: torch.Tensor, kwargs: dict) -> None:
+    """TRL's warning when every reward function returned None for a completion (its advantage
+    is then NaN-free but carries no reward): the first such completion's keyword arguments."""
+    unscored = torch.isnan(rewards).all(dim=1).nonzero(as_tuple=True)[0]  # (rows,)
+    if len(unscored) == 0:
+        return
+    row = int(unscored[0])
+    row_kwargs = {k: v[row] for k, v in kwargs.items() if k not in NOT_ROW_KWARGS}
+    row_kwargs["prompt"] = kwargs["prompts"][row]
+    row_kwargs["completion"] = kwargs["completions"][row]
+    logger.warning(
+        f"All reward functions returned None for the following kwargs:\n{row_kwargs}\n"
+        "Please ensure that at least one reward function returns a valid reward."
+    )

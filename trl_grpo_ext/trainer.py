@@ -29,9 +29,10 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
 from . import preparation
-from .batches import image_model_inputs, split_micro_batches, training_tensors
+from .batches import image_model_inputs, split_micro_batches, step_tokens, training_tensors
 from .checkpoints import (
     RolloutState,
+    epoch_micro_step,
     inside_window,
     resolve_resume,
     restore_trainer_rollout_state,
@@ -39,6 +40,7 @@ from .checkpoints import (
 )
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
+from .entropy_control import EntropyControl
 from .eval_rewards import mean_rewards
 from .generation import check_prompt_dataset
 from .generation.images import text_tokenizer
@@ -62,13 +64,15 @@ from .objective import (
     LOSS_TYPE_TABLE,
     LossSettings,
     entropy_bonus,
+    entropy_quantile_mask,
     group_advantages,
-    high_entropy_mask,
+    off_policy_mask,
     policy_loss,
 )
 from .off_policy import behaviour_correction
 from .resume_weights import FullWeightsMixin
-from .sampler import collate_rows, train_dataloader
+from .router_loss import captured_aux_losses, router_aux_loss_coef
+from .sampler import collate_rows, micro_batches_per_epoch, train_dataloader
 from .scoring import call_reward_funcs
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
@@ -160,6 +164,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         environment_factory=None,
     ):
         args = preparation.trainer_config(model, args)
+        preparation.warn_as_trl(args, train_dataset, environment_factory)
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
         self.agent = preparation.agent(tools, environment_factory, rollout_func, args)
@@ -200,6 +205,9 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         self.eos_token_ids = eos_token_ids(model, text_tokenizer(processing_class))
         self.rollouts = preparation.rollout_producer(self, model, engine_folder)
         self.environments: list | None = None  # those of the latest generation batch, as TRL
+        self.entropy_control = EntropyControl(args)  # entropy_coef, static or adaptive
+        # MoE load-balancing loss, TRL's names (router_loss.py)
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss_coef(model, args)
         self._buffer: list[dict] | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
@@ -241,15 +249,28 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         else:
             prompt_batches = self.rollouts.pull(epoch_iterator, num_batches)
         first = self.state.global_step * args.gradient_accumulation_steps
+        in_epoch = epoch_micro_step(self.state.global_step, args, self.micro_batches_per_epoch)
         window = args.steps_per_generation * args.num_iterations
         micro_batches = []
         for offset, rows in enumerate(prompt_batches):
-            slot = (first + offset) % window
+            slot = (in_epoch + offset) % window
             if slot == 0 or self._buffer is None:
                 # Generation batches are numbered; each samples from its own seed.
                 self._buffer = self._make_generation_batch(rows, (first + offset) // window)
             micro_batches.append(self._buffer[slot % args.steps_per_generation])
+        if args.steps_per_generation % args.gradient_accumulation_steps and micro_batches:
+            # This step's micro-batches come from two generation batches: count its own tokens.
+            tokens = step_tokens(micro_batches, self._sum_over_processes)
+            micro_batches = [{**batch, "num_items_in_batch": tokens} for batch in micro_batches]
         return micro_batches, micro_batches[0]["num_items_in_batch"] if micro_batches else None
+
+    @cached_property
+    def micro_batches_per_epoch(self) -> int | None:
+        """Micro-batches per epoch of the training data loader (None for a stream)."""
+        return micro_batches_per_epoch(self.train_dataset, self.args)
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
 
     # --------------------------------------------------------- override points
 
@@ -324,17 +345,15 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         """
         args = self.args
         no_signal = self._carries_no_signal(batch)
-        with torch.no_grad() if no_signal else nullcontext():
-            logps, entropy = self._token_logprobs(model, batch, return_entropy=True)
+        aux_losses = captured_aux_losses(model) if self.aux_loss_enabled else nullcontext([])
+        with torch.no_grad() if no_signal else nullcontext(), aux_losses as aux_losses:
+            logps, entropy = self._token_logprobs(
+                model, batch, return_entropy=True, router_logits=self.aux_loss_enabled
+            )
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
-            entropy_mask = high_entropy_mask(
-                entropy.detach(),
-                batch["completion_mask"],
-                args.top_entropy_quantile,
-                pooled_entropy=pooled_entropies(
-                    self.accelerator, entropy, batch["completion_mask"]
-                ),
+            entropy_mask = self.get_high_entropy_mask(
+                entropy.detach(), batch["completion_mask"], 1 - args.top_entropy_quantile
             )
         importance_weights, off_policy_stats = self._behaviour_correction(batch, logps)
         settings = self.loss_settings
@@ -349,17 +368,34 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             importance_weights=importance_weights,
             entropy_mask=entropy_mask,
             sampling_logps=batch.get("behaviour_logps"),
+            sequence_mask_fn=self.get_off_policy_mask,
         )
         stats.update(off_policy_stats)
+        control = self.entropy_control
+        if control.enabled:
+            stats["policy_loss"] = loss.detach()  # TRL's metric: before accumulation scaling
         if LOSS_TYPE_TABLE[settings.loss_type].aggregation != "dapo":
             # The other aggregations are per-micro-batch means (see the docstring).
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
-        if args.entropy_coef:
+        if control.enabled:
             # TRL's entropy bonus: a plain mean over the trained tokens whatever the loss type,
             # so it is scaled for gradient accumulation only.
             bonus = entropy_bonus(entropy, mask, entropy_mask)
-            loss = loss - args.entropy_coef * bonus / self.current_gradient_accumulation_steps
+            coef = control.applied_coef()  # the same for every micro-batch of a step
+            loss = loss - coef * bonus / self.current_gradient_accumulation_steps
+            trained = mask if entropy_mask is None else mask * entropy_mask
+            step_ends = self.accelerator.sync_gradients
+            control.record(entropy, trained, step_ends, self._sum_over_processes)
+            if step_ends:
+                self._metrics["entropy_coef"].append(control.coef)
+        if aux_losses:  # as TRL: scaled for gradient accumulation like the policy loss
+            aux_loss = torch.stack(aux_losses).mean()
+            loss = (
+                loss
+                + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+            )
+            stats["aux_loss"] = aux_loss.detach()
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         metrics = extremes_over_processes(stats, self.accelerator.gather)
         if no_signal:
@@ -369,6 +405,38 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             loss = sum(p.view(-1)[0] for p in trainable) * 0.0
         return loss, metrics
+
+    # ------------------------------------------- TRL's public helpers, for subclasses
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The reward functions' names, in order, as TRL's `GRPOTrainer.reward_func_names`
+        (those of the metrics `rewards/<name>/mean`)."""
+        return self.reward_names
+
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """TRL's `get_high_entropy_mask`: the tokens of `mask` `(B, T)` whose entropy is at
+        least the `threshold`-quantile of the completion tokens' entropies on all processes
+        (`1 - top_entropy_quantile` in training); `(B, T)` bool. A subclass may override it."""
+        pooled = pooled_entropies(self.accelerator, entropies, mask)
+        return entropy_quantile_mask(entropies, mask, threshold, pooled_entropy=pooled)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's `get_off_policy_mask` (DeepSeek-V3.2's off-policy sequence mask,
+        `objective.off_policy_mask`): `(B, 1)`, 1.0 to keep a sequence, 0.0 to drop it. The
+        loss calls it when `off_policy_mask_threshold` is set; a subclass may override it."""
+        return off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -389,14 +457,19 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         (a KL term) enters the loss. Never with several processes, DeepSpeed or FSDP, where a
         skipped forward pass would leave the other processes waiting in a collective or break
         the engine's hooks."""
-        if self.args.beta != 0 or self.args.entropy_coef != 0 or self.args.world_size > 1:
+        if self.args.beta != 0 or self.entropy_control.enabled or self.aux_loss_enabled:
+            return False
+        if self.args.world_size > 1:
             return False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
         signal = (batch["advantages"] != 0).unsqueeze(1) & batch["completion_mask"].bool()
         return not bool(signal.any())
 
-    def _token_logprobs(self, model, batch, return_entropy=False):
+    def _token_logprobs(self, model, batch, return_entropy=False, router_logits=False):
+        model_inputs = image_model_inputs(batch)
+        if router_logits:  # a MoE's auxiliary loss, over every row in full (not packed), as TRL
+            model_inputs["output_router_logits"] = True
         return completion_logprobs(
             model,
             batch["input_ids"],
@@ -406,7 +479,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             return_entropy=return_entropy,
             logprob_chunk_tokens=self.args.logprob_chunk_tokens,
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-            model_inputs=image_model_inputs(batch),
+            model_inputs=model_inputs,
         )
 
     def _logps_in_chunks(self, model, tensors, chunk_size):
@@ -474,7 +547,8 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         # Later micro-batches of a generation batch see weights updated after sampling: they
         # need the sampling policy's log-probs. With one step per generation, the current
         # log-probs detached are the same numbers, so no extra forward pass is spent.
-        if args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps:
+        # TRL's condition: sampling and optimizer steps are not aligned.
+        if args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations):
             tensors["old_logps"] = self._logps_in_chunks(self.model, tensors, micro)
         if args.beta > 0:
             if self.ref_model is not None:
@@ -487,7 +561,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             tensors,
             micro,
             args.gradient_accumulation_steps,
-            lambda tokens: self.accelerator.reduce(tokens, reduction="sum"),
+            self._sum_over_processes,
         )
 
     def _record_rollout_metrics(self, rollout: Rollout, all_rewards, all_advantages):
@@ -567,6 +641,7 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
             restore_trainer_rollout_state(self, resume_from_checkpoint)
+            self.entropy_control.load(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
@@ -577,7 +652,9 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         the buffered generation batch (inside a window), the metrics not logged yet, and the
         producer's `state()` (batches in flight). Each checkpoint holds it (`checkpoints.py`)."""
         step = self.state.global_step
-        buffered = self._buffer if inside_window(step, self.args) else None
+        buffered = (
+            self._buffer if inside_window(step, self.args, self.micro_batches_per_epoch) else None
+        )
         metrics = dict(self._metrics)
         return RolloutState(step, buffered, metrics=metrics, **self.rollouts.state())
 
@@ -593,3 +670,5 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
         process writes its own, before `trainer_state.json` marks the checkpoint complete."""
         super()._save_rng_state(output_dir)
         save_trainer_rollout_state(self, output_dir)
+        if self.args.should_save:
+            self.entropy_control.save(output_dir)
