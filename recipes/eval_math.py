@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import HfArgumentParser, set_seed
 
 from trl_grpo_ext.data import SYSTEM_PROMPT, load_math_dataset, with_examples
-from trl_grpo_ext.evaluation import load_model_for_eval, problem_scores, summarize
+from trl_grpo_ext.evaluation import BareModel, load_model_for_eval, problem_scores, summarize
 from trl_grpo_ext.rewards import get_reward
 from trl_grpo_ext.script_args import (
     BUILT_IN_TOOLS,
@@ -150,12 +150,11 @@ def main(args: EvalArguments):
     tools = load_tools(args.tools)
     if args.tool_format:
         apply_tool_format(tokenizer, args.tool_format, tools)
-    producer = None
+    sampler = None  # the model alone; with tools, through them
     if tools:
-        from trl_grpo_ext.generation.producer import RolloutProducer
         from trl_grpo_ext.tools import Agent
 
-        producer = RolloutProducer.for_model(
+        sampler = BareModel(
             model,
             tokenizer,
             agent=Agent(tools),
@@ -182,7 +181,7 @@ def main(args: EvalArguments):
                 temperature=args.temperature,
                 batch_size=args.batch_size,
                 format_reward=get_reward("format") if args.require_think_format else None,
-                producer=producer,
+                trainer=sampler,
             )
             bar.update(len(batch))
     report = summarize(

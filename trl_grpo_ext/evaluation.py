@@ -128,6 +128,22 @@ def score_completions(
 
 
 @torch.no_grad()
+class BareModel:
+    """A model that samples alone, outside any trainer, as `generate`'s and `problem_scores`'
+    `trainer`: its producer (`RolloutProducer.for_model`, whose keyword arguments it takes:
+    through the tools of `agent` when given) and that producer's own `generate` as
+    `generate_rollouts`. E.g. a tool-trained adapter evaluated with its tools:
+    `problem_scores(model, tokenizer, rows, trainer=BareModel(model, tokenizer, agent=Agent(tools)))`."""
+
+    def __init__(self, model, tokenizer, **for_model_kwargs):
+        from .generation.producer import RolloutProducer
+
+        self.rollouts = RolloutProducer.for_model(model, tokenizer, **for_model_kwargs)
+
+    def generate_rollouts(self, rows: list[dict]):
+        return self.rollouts.generate(rows, 0)
+
+
 def generate(
     model,
     tokenizer,
@@ -160,14 +176,10 @@ def generate(
     eval mode, with prompts rendered with `chat_template_kwargs`.
     Returns `(completions, token_counts, truncated)`, each `[prompt][sample]`."""
     if trainer is None:
-        from .generation.producer import RolloutProducer
-
-        producer = RolloutProducer.for_model(
+        trainer = BareModel(
             model, tokenizer, chat_template_kwargs=chat_template_kwargs, engine=engine
         )
-        generate_rollouts = lambda rows: producer.generate(rows, 0)  # noqa: E731
-    else:
-        producer, generate_rollouts = trainer.rollouts, trainer.generate_rollouts
+    producer, generate_rollouts = trainer.rollouts, trainer.generate_rollouts
     greedy = temperature is None
     config = sampling_config(
         max_new_tokens=max_new_tokens,

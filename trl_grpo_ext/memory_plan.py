@@ -185,30 +185,11 @@ def plan_memory(
         sampling = resident + states + engine
     elif args.use_vllm:  # a vLLM server samples: nothing more here
         sampling = trained
-    else:
-        cache_rows, cache_length = rows, length
-        if device_type == "cuda" and _decodes_compiled(args):  # a static cache, bucketed
-            shape = compiled_decoding.decoding_shape(rows, prompt, completion)
-            cache_rows, cache_length = shape.rows, shape.cache_length
-        kv_cache = _kv_cache_bytes(shapes, cache_rows, cache_length, size)
-        step_logits = CHUNK_BUFFERS * rows * shapes.vocab * 4
-        prompts = rows // args.num_generations
-        prefill = prompts * prompt * (2 * shapes.hidden + 2 * shapes.intermediate) * size
-        laid_out = 0
-        if device_type == "cpu" and dtype == torch.float32:
-            laid_out = 4 * sum(i * o for i, o in shapes.linear.values() if i * o >= 2**18)
-        sampling = trained + kv_cache + max(step_logits, prefill) + laid_out
+    else:  # the transformers engine samples in this process
+        sampling = trained + _sampling_bytes(args, shapes, device_type, dtype, rows, prompt)
 
-    # The output head over a micro-batch's completion positions: chunks of float32 logits, or
-    # the model's own full logits where the head is an adapted layer.
     positions = micro * completion
-    chunk = min(args.logprob_chunk_tokens or _default_chunk_tokens(shapes.vocab), positions)
-    head_adapted = peft_config is not None and shapes.head_name in _targets(shapes, peft_config)
-    if head_adapted:  # the logits (B, T, V), then float32 buffers of 4 rows at a time
-        rows_at_once = min(4, micro) * completion  # `token_logprobs`' default chunk_size
-        head = positions * shapes.vocab * size + CHUNK_BUFFERS * rows_at_once * shapes.vocab * 4
-    else:
-        head = CHUNK_BUFFERS * chunk * shapes.vocab * 4
+    head = _head_bytes(args, shapes, peft_config, micro, size)
     hidden_states = positions * shapes.hidden * size
     per_token = _activation_values_per_token(shapes, peft_config)
     one_layer = micro * length * per_token * size
@@ -245,6 +226,40 @@ def plan_memory(
             f"completion tokens, {str(dtype).removeprefix('torch.')}"
         ),
     )
+
+
+def _head_bytes(args, shapes: _Shapes, peft_config, micro: int, size: int) -> int:
+    """The output head over a micro-batch's completion positions: chunks of float32 logits, or
+    the model's own full logits where the head is an adapted layer."""
+    completion = args.max_completion_length
+    positions = micro * completion
+    chunk = min(args.logprob_chunk_tokens or _default_chunk_tokens(shapes.vocab), positions)
+    head_adapted = peft_config is not None and shapes.head_name in _targets(shapes, peft_config)
+    if head_adapted:  # the logits (B, T, V), then float32 buffers of 4 rows at a time
+        rows_at_once = min(4, micro) * completion  # `token_logprobs`' default chunk_size
+        return positions * shapes.vocab * size + CHUNK_BUFFERS * rows_at_once * shapes.vocab * 4
+    return CHUNK_BUFFERS * chunk * shapes.vocab * 4
+
+
+def _sampling_bytes(args, shapes: _Shapes, device_type: str, dtype, rows: int, prompt: int):
+    """What sampling `rows` rows of `prompt` + `max_completion_length` tokens in this process
+    holds beyond the trained weights: the KV cache (on CUDA compiled decoding's static cache,
+    rows and positions bucketed), a step's logits or the prompts' pass, whichever is larger,
+    and on a CPU in float32 the linear layers laid out again for oneDNN."""
+    size = torch.finfo(dtype).bits // 8
+    completion = args.max_completion_length
+    cache_rows, cache_length = rows, prompt + completion
+    if device_type == "cuda" and _decodes_compiled(args):  # a static cache, bucketed
+        shape = compiled_decoding.decoding_shape(rows, prompt, completion)
+        cache_rows, cache_length = shape.rows, shape.cache_length
+    kv_cache = _kv_cache_bytes(shapes, cache_rows, cache_length, size)
+    step_logits = CHUNK_BUFFERS * rows * shapes.vocab * 4
+    prompts = rows // args.num_generations
+    prefill = prompts * prompt * (2 * shapes.hidden + 2 * shapes.intermediate) * size
+    laid_out = 0
+    if device_type == "cpu" and dtype == torch.float32:
+        laid_out = 4 * sum(i * o for i, o in shapes.linear.values() if i * o >= 2**18)
+    return kv_cache + max(step_logits, prefill) + laid_out
 
 
 def kv_cache_bytes(config, rows: int, tokens: int, dtype: torch.dtype = torch.float32) -> int:

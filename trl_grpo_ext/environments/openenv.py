@@ -286,6 +286,45 @@ def _completion_reward(name: str, action: Callable[[str], Any]):
     return reward
 
 
+def _checked_inputs(url, server, client_class, mode, action, reset_kwargs, observation):
+    """`from_openenv`'s arguments checked: `(url, client_class)`, the server's HTTP address
+    (started by `server` when given) and the client class (`GenericEnvClient` by default); a
+    wrong kind of argument is a `TypeError` or `ValueError` that says what was expected."""
+    from openenv.core import EnvClient, GenericEnvClient
+
+    if mode not in MODES:
+        raise ValueError(f"from_openenv: mode={mode!r}; expected one of {MODES}.")
+    if (url is None) == (server is None):
+        raise ValueError(
+            "from_openenv: give the server's `url`, or `server`, a callable that starts it and "
+            "returns its URL (one of the two)."
+        )
+    if server is not None:
+        if not callable(server):
+            raise TypeError(f"from_openenv: server is a {type(server).__name__}, not a callable.")
+        url = server()
+    if not isinstance(url, str) or not url.startswith(("http://", "https://", "ws://", "wss://")):
+        raise ValueError(
+            f"from_openenv: url={url!r}; expected the server's address, e.g. "
+            "'http://127.0.0.1:8000'."
+        )
+    url = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rstrip("/")
+    client_class = client_class or GenericEnvClient
+    if not (isinstance(client_class, type) and issubclass(client_class, EnvClient)):
+        raise TypeError(
+            f"from_openenv: client_class is {client_class!r}; expected a subclass of "
+            "openenv.core.EnvClient (the environment's client, or GenericEnvClient)."
+        )
+    for name, value in (
+        ("action", action),
+        ("reset_kwargs", reset_kwargs),
+        ("observation", observation),
+    ):
+        if value is not None and not callable(value):
+            raise TypeError(f"from_openenv: {name} is a {type(value).__name__}, not a callable.")
+    return url, client_class
+
+
 def from_openenv(
     url: str | None = None,
     *,
@@ -333,38 +372,9 @@ def from_openenv(
         `ConnectionError`: naming host and port, when the server cannot be reached.
     """
     require("openenv.core", "openenv-core")
-    from openenv.core import EnvClient, GenericEnvClient
-
-    if mode not in MODES:
-        raise ValueError(f"from_openenv: mode={mode!r}; expected one of {MODES}.")
-    if (url is None) == (server is None):
-        raise ValueError(
-            "from_openenv: give the server's `url`, or `server`, a callable that starts it and "
-            "returns its URL (one of the two)."
-        )
-    if server is not None:
-        if not callable(server):
-            raise TypeError(f"from_openenv: server is a {type(server).__name__}, not a callable.")
-        url = server()
-    if not isinstance(url, str) or not url.startswith(("http://", "https://", "ws://", "wss://")):
-        raise ValueError(
-            f"from_openenv: url={url!r}; expected the server's address, e.g. "
-            "'http://127.0.0.1:8000'."
-        )
-    url = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rstrip("/")
-    client_class = client_class or GenericEnvClient
-    if not (isinstance(client_class, type) and issubclass(client_class, EnvClient)):
-        raise TypeError(
-            f"from_openenv: client_class is {client_class!r}; expected a subclass of "
-            "openenv.core.EnvClient (the environment's client, or GenericEnvClient)."
-        )
-    for name, value in (
-        ("action", action),
-        ("reset_kwargs", reset_kwargs),
-        ("observation", observation),
-    ):
-        if value is not None and not callable(value):
-            raise TypeError(f"from_openenv: {name} is a {type(value).__name__}, not a callable.")
+    url, client_class = _checked_inputs(
+        url, server, client_class, mode, action, reset_kwargs, observation
+    )
     schema = fetch_schema(url, timeout)
     fields = _action_fields(schema)
 

@@ -163,12 +163,12 @@ def sample(model, inputs: dict, generation_config: GenerationConfig, compact: bo
     if padding:  # copies of the last row, dropped below
         input_ids = torch.cat([input_ids, input_ids[-1:].expand(padding, -1)])  # (R, P)
         attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(padding, -1)])
-    config = copy.deepcopy(generation_config)
-    config.num_return_sequences = 1
-    config.cache_implementation = "static"
-    config.max_cache_len = shape.cache_length
-    if config.compile_config is None:  # one graph per shape: what CUDA graphs record anyway
-        config.compile_config = CompileConfig(dynamic=False)
+    decoding = copy.deepcopy(generation_config)
+    decoding.num_return_sequences = 1
+    decoding.cache_implementation = "static"
+    decoding.max_cache_len = shape.cache_length
+    if decoding.compile_config is None:  # one graph per shape: what CUDA graphs record anyway
+        decoding.compile_config = CompileConfig(dynamic=False)
     if shape not in _said:
         _said.add(shape)
         logger.info(
@@ -179,14 +179,14 @@ def sample(model, inputs: dict, generation_config: GenerationConfig, compact: bo
         )
     output = compacting.generate(
         model,
-        config,
+        decoding,
         compact,
         input_ids=input_ids,
         attention_mask=attention_mask,
         tokenizer=inputs.get("tokenizer"),
     )  # (R, P + T)
-    sequences = output.sequences if config.return_dict_in_generate else output
+    sequences = output.sequences if decoding.return_dict_in_generate else output
     completion_ids = sequences[:rows, prompt_length:]  # (B*G, T)
-    if not config.output_scores:
+    if not decoding.output_scores:
         return completion_ids, None
     return completion_ids, [scores[:rows] for scores in output.scores]  # T x (B*G, V)
