@@ -38,9 +38,8 @@ def main():
     from huggingface_hub import HfApi
     from torch.distributed.tensor import DTensor
     from transformers import TrainerCallback
-    from trl import ModelConfig, TrlParser
 
-    from trl_grpo_ext import GroupRelativeConfig
+    from trl_grpo_ext.script_args import make_parser
 
     spec = importlib.util.spec_from_file_location("math_recipe", f"{ROOT}/recipes/math.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -70,9 +69,8 @@ def main():
         return original_train(trainer, *args, **kwargs)
 
     recipe.GroupRelativeTrainer.train = train
-    parser = TrlParser((recipe.MathScriptArguments, GroupRelativeConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(sys.argv[1:])
-    trainer, before, after = recipe.main(script_args, training_args, model_args)
+    arguments = make_parser().parse_args_and_config(sys.argv[1:])  # the recipe's own parser
+    trainer, before, after = recipe.main(*arguments)
     seen.update(
         rank=trainer.args.process_index,
         world_size=trainer.args.world_size,
@@ -82,7 +80,7 @@ def main():
         uploads=uploads,
         entropy=[[e["step"], e["entropy"]] for e in trainer.state.log_history if "entropy" in e],
     )
-    path = os.path.join(training_args.output_dir, f"sharded-{seen['rank']}.json")
+    path = os.path.join(trainer.args.output_dir, f"sharded-{seen['rank']}.json")
     with open(path, "w") as handle:
         json.dump(seen, handle)
 
