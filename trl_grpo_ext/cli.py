@@ -392,8 +392,13 @@ def sandbox() -> str:
 
     from .tools import PythonSandbox
 
-    logging.getLogger("trl_grpo_ext").setLevel(logging.ERROR)  # the fallback's long warning
-    return " ".join(PythonSandbox().bounds().split())  # "<mechanism>: <cgroup>; <seccomp>"
+    package_logger = logging.getLogger("trl_grpo_ext")
+    level = package_logger.level
+    package_logger.setLevel(logging.ERROR)  # the fallback's long warning, for this table only
+    try:
+        return " ".join(PythonSandbox().bounds().split())  # "<mechanism>: <cgroup>; <seccomp>"
+    finally:
+        package_logger.setLevel(level)
 
 
 def vllm_import() -> str:
