@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from .objective import entropy_bonus
+
 STATE_FILE = "entropy_ctrl_state.json"  # TRL's name, so either trainer reads the other's
 
 
@@ -42,6 +44,25 @@ class EntropyControl:
         if self.adaptive and self.last_world_entropy > self.args.entropy_target:
             return 0.0
         return self.coef
+
+    def add_bonus(
+        self,
+        loss: torch.Tensor,
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        entropy_mask: torch.Tensor | None,
+        accumulation_steps: int,
+        step_ends: bool,
+        sum_over_processes: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`loss - coef * bonus / accumulation_steps`: TRL's entropy bonus, a plain mean over
+        the trained tokens whatever the loss type, so scaled for gradient accumulation only;
+        records the micro-batch's entropies for the adaptive coefficient (`record`)."""
+        bonus = entropy_bonus(entropy, mask, entropy_mask)
+        loss = loss - self.applied_coef() * bonus / accumulation_steps  # one coef per step
+        trained = mask if entropy_mask is None else mask * entropy_mask
+        self.record(entropy, trained, step_ends, sum_over_processes)
+        return loss
 
     def record(
         self,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .logprobs import transformers_model
 
 
@@ -46,3 +48,11 @@ def captured_aux_losses(model):
         yield captured
     finally:
         handle.remove()
+
+
+def with_aux_loss(loss, aux_losses: list, coef: float, accumulation_steps: int):
+    """`(loss + coef * aux_loss / accumulation_steps, aux_loss detached)`, `aux_loss` the mean of
+    the forward passes' router losses: as TRL, scaled for gradient accumulation like the policy
+    loss."""
+    aux_loss = torch.stack(aux_losses).mean()
+    return loss + coef * aux_loss / accumulation_steps, aux_loss.detach()

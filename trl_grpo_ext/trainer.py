@@ -53,7 +53,6 @@ from .metrics import (
     completions_table,
     extremes_over_processes,
     log_completions,
-    pooled_entropies,
     rollout_metrics,
     staleness_shares,
     step_means,
@@ -63,23 +62,21 @@ from .models import load_policy, prepare_policy
 from .objective import (
     LOSS_TYPE_TABLE,
     LossSettings,
-    entropy_bonus,
-    entropy_quantile_mask,
     group_advantages,
-    off_policy_mask,
     policy_loss,
 )
 from .off_policy import behaviour_correction
 from .resume_weights import FullWeightsMixin
-from .router_loss import captured_aux_losses, router_aux_loss_coef
+from .router_loss import captured_aux_losses, router_aux_loss_coef, with_aux_loss
 from .sampler import collate_rows, micro_batches_per_epoch, train_dataloader
 from .scoring import call_reward_funcs
+from .trl_helpers import TrlHelpersMixin
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
 
 
-class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
+class GroupRelativeTrainer(TrlHelpersMixin, HubMixin, FullWeightsMixin, Trainer):
     """Trains a causal language model with GRPO.
 
     Args:
@@ -379,23 +376,20 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             loss = loss / self.current_gradient_accumulation_steps
         mask = batch["completion_mask"]
         if control.enabled:
-            # TRL's entropy bonus: a plain mean over the trained tokens whatever the loss type,
-            # so it is scaled for gradient accumulation only.
-            bonus = entropy_bonus(entropy, mask, entropy_mask)
-            coef = control.applied_coef()  # the same for every micro-batch of a step
-            loss = loss - coef * bonus / self.current_gradient_accumulation_steps
-            trained = mask if entropy_mask is None else mask * entropy_mask
             step_ends = self.accelerator.sync_gradients
-            control.record(entropy, trained, step_ends, self._sum_over_processes)
+            loss = control.add_bonus(
+                loss, entropy, mask, entropy_mask, self.current_gradient_accumulation_steps,
+                step_ends, self._sum_over_processes,
+            )  # fmt: skip
             if step_ends:
                 self._metrics["entropy_coef"].append(control.coef)
-        if aux_losses:  # as TRL: scaled for gradient accumulation like the policy loss
-            aux_loss = torch.stack(aux_losses).mean()
-            loss = (
-                loss
-                + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+        if aux_losses:
+            loss, stats["aux_loss"] = with_aux_loss(
+                loss,
+                aux_losses,
+                self.router_aux_loss_coef,
+                self.current_gradient_accumulation_steps,
             )
-            stats["aux_loss"] = aux_loss.detach()
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         metrics = extremes_over_processes(stats, self.accelerator.gather)
         if no_signal:
@@ -405,38 +399,6 @@ class GroupRelativeTrainer(HubMixin, FullWeightsMixin, Trainer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             loss = sum(p.view(-1)[0] for p in trainable) * 0.0
         return loss, metrics
-
-    # ------------------------------------------- TRL's public helpers, for subclasses
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """The reward functions' names, in order, as TRL's `GRPOTrainer.reward_func_names`
-        (those of the metrics `rewards/<name>/mean`)."""
-        return self.reward_names
-
-    def get_high_entropy_mask(
-        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
-    ) -> torch.Tensor:
-        """TRL's `get_high_entropy_mask`: the tokens of `mask` `(B, T)` whose entropy is at
-        least the `threshold`-quantile of the completion tokens' entropies on all processes
-        (`1 - top_entropy_quantile` in training); `(B, T)` bool. A subclass may override it."""
-        pooled = pooled_entropies(self.accelerator, entropies, mask)
-        return entropy_quantile_mask(entropies, mask, threshold, pooled_entropy=pooled)
-
-    @staticmethod
-    def get_off_policy_mask(
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """TRL's `get_off_policy_mask` (DeepSeek-V3.2's off-policy sequence mask,
-        `objective.off_policy_mask`): `(B, 1)`, 1.0 to keep a sequence, 0.0 to drop it. The
-        loss calls it when `off_policy_mask_threshold` is set; a subclass may override it."""
-        return off_policy_mask(
-            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
-        )
 
     # ------------------------------------------------------------------ internals
 
