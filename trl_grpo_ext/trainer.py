@@ -30,14 +30,7 @@ from transformers import PreTrainedModel, Trainer, set_seed
 
 from . import preparation
 from .batches import image_model_inputs, split_micro_batches, step_tokens, training_tensors
-from .checkpoints import (
-    RolloutState,
-    epoch_micro_step,
-    inside_window,
-    resolve_resume,
-    restore_trainer_rollout_state,
-    save_trainer_rollout_state,
-)
+from .checkpoints import epoch_micro_step
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .entropy_control import EntropyControl
@@ -70,13 +63,16 @@ from .resume_weights import FullWeightsMixin
 from .router_loss import captured_aux_losses, router_aux_loss_coef, with_aux_loss
 from .sampler import collate_rows, micro_batches_per_epoch, train_dataloader
 from .scoring import call_reward_funcs
+from .trainer_checkpoints import RolloutCheckpointsMixin
 from .trl_helpers import TrlHelpersMixin
 
 # A reward function, a registry name or import path, a reward model, or its folder or Hub id.
 RewardSpec = Callable | str | PreTrainedModel
 
 
-class GroupRelativeTrainer(TrlHelpersMixin, HubMixin, FullWeightsMixin, Trainer):
+class GroupRelativeTrainer(
+    TrlHelpersMixin, RolloutCheckpointsMixin, HubMixin, FullWeightsMixin, Trainer
+):
     """Trains a causal language model with GRPO.
 
     Args:
@@ -594,43 +590,3 @@ class GroupRelativeTrainer(TrlHelpersMixin, HubMixin, FullWeightsMixin, Trainer)
             self.args, self.state, self.control, metrics
         )
         return metrics
-
-    # ------------------------------------------------------ checkpoints, Hub
-
-    def train(self, resume_from_checkpoint=None, **kwargs):
-        """As `Trainer.train`; `resume_from_checkpoint=True` skips incomplete checkpoints (one
-        whose writing was interrupted) and resumes from the last complete one."""
-        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if resume_from_checkpoint is not None:
-            restore_trainer_rollout_state(self, resume_from_checkpoint)
-            self.entropy_control.load(resume_from_checkpoint)
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        finally:
-            self.rollouts.close()
-
-    def rollout_state(self) -> RolloutState:
-        """What the next optimizer steps train on beyond weights, optimizer and data position:
-        the buffered generation batch (inside a window), the metrics not logged yet, and the
-        producer's `state()` (batches in flight). Each checkpoint holds it (`checkpoints.py`)."""
-        step = self.state.global_step
-        buffered = (
-            self._buffer if inside_window(step, self.args, self.micro_batches_per_epoch) else None
-        )
-        metrics = dict(self._metrics)
-        return RolloutState(step, buffered, metrics=metrics, **self.rollouts.state())
-
-    def load_rollout_state(self, state: RolloutState) -> None:
-        """Puts back a `rollout_state()`, before `train` resumes from its checkpoint."""
-        self._buffer = state.micro_batches
-        self._metrics.clear()
-        self._metrics.update(state.metrics)
-        self.rollouts.load_state(state.in_flight, state.staleness_counts)
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        """Also writes the rollout state (`checkpoints.save_trainer_rollout_state`): here every
-        process writes its own, before `trainer_state.json` marks the checkpoint complete."""
-        super()._save_rng_state(output_dir)
-        save_trainer_rollout_state(self, output_dir)
-        if self.args.should_save:
-            self.entropy_control.save(output_dir)
