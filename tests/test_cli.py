@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 import warnings
 
@@ -421,3 +422,29 @@ def test_env_prints_its_table(capsys):
     assert rows["run_python sandbox"].split(":")[0] in ("namespaces", "bubblewrap", "process")
     assert rows["vllm"]  # a version, "not installed", or why it fails to import
     assert "devices" in rows
+
+
+def test_importing_the_package_warns_from_none_of_its_modules():
+    """Every module of the package imported in a fresh interpreter, all warnings shown: none is
+    attributed to a file of ours (e.g. torch's FutureWarning for a class under `no_grad`, which
+    a newcomer's run printed at import, before any of the above)."""
+    code = (
+        "import pkgutil, importlib, warnings, json, trl_grpo_ext\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for info in pkgutil.walk_packages(trl_grpo_ext.__path__, 'trl_grpo_ext.'):\n"
+        "        if info.name.endswith('__main__'):\n"
+        "            continue\n"
+        "        try:\n"
+        "            importlib.import_module(info.name)\n"
+        "        except ImportError:\n"
+        "            pass  # an optional integration's package absent\n"
+        "print(json.dumps([f'{w.filename}:{w.lineno}: {w.message}' for w in caught]))\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert shown.returncode == 0, shown.stderr
+    package = os.path.join(ROOT, "trl_grpo_ext")
+    ours = [w for w in json.loads(shown.stdout.splitlines()[-1]) if w.startswith(package)]
+    assert not ours

@@ -127,7 +127,6 @@ def score_completions(
     return strict, lenient
 
 
-@torch.no_grad()
 class BareModel:
     """A model that samples alone, outside any trainer, as `generate`'s and `problem_scores`'
     `trainer`: its producer (`RolloutProducer.for_model`, whose keyword arguments it takes:
@@ -140,6 +139,7 @@ class BareModel:
 
         self.rollouts = RolloutProducer.for_model(model, tokenizer, **for_model_kwargs)
 
+    @torch.no_grad()
     def generate_rollouts(self, rows: list[dict]):
         return self.rollouts.generate(rows, 0)
 
