@@ -96,8 +96,9 @@ class GroupRelativeTrainer(
             an `image` or `images` column, or `{"type": "image"}` parts in conversational
             prompts; single-turn rollouts on the transformers engine only for now (other paths
             are an error, `generation/images.py`).
-        eval_dataset (`datasets.Dataset` or `datasets.IterableDataset`, *optional*):
-            Prompts for `evaluate()`, in the same format (a stream is read to its end).
+        eval_dataset (`datasets.Dataset`, `datasets.IterableDataset` or a `dict`, *optional*):
+            Prompts for `evaluate()`, in the same format (a stream is read to its end); several
+            named sets (a dict or a `DatasetDict`) are each evaluated, as `eval_<name>_...`.
         processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`, *optional*):
             Tokenizer, or a vision-language model's processor (needed for images); loaded from
             the model's folder when omitted (`AutoProcessor` for a vision-language model).
