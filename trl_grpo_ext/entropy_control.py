@@ -54,14 +54,17 @@ class EntropyControl:
         accumulation_steps: int,
         step_ends: bool,
         sum_over_processes: Callable[[torch.Tensor], torch.Tensor],
+        record: bool = True,
     ) -> torch.Tensor:
         """`loss - coef * bonus / accumulation_steps`: TRL's entropy bonus, a plain mean over
         the trained tokens whatever the loss type, so scaled for gradient accumulation only;
-        records the micro-batch's entropies for the adaptive coefficient (`record`)."""
+        records the micro-batch's entropies for the adaptive coefficient (`record`; not in an
+        evaluation, which TRL keeps from moving the coefficient)."""
         bonus = entropy_bonus(entropy, mask, entropy_mask)
         loss = loss - self.applied_coef() * bonus / accumulation_steps  # one coef per step
-        trained = mask if entropy_mask is None else mask * entropy_mask
-        self.record(entropy, trained, step_ends, sum_over_processes)
+        if record:
+            trained = mask if entropy_mask is None else mask * entropy_mask
+            self.record(entropy, trained, step_ends, sum_over_processes)
         return loss
 
     def record(

@@ -8,8 +8,10 @@ completions for every `world_size`-th prompt, `prompts_per_generation` prompts a
 reward applies (NaN entries, "not applicable", are left out of that reward's mean). The other
 metrics of a training batch (`metrics.rollout_metrics`: `reward_std`, `completions/*`,
 `tools/*` with tools) are computed per batch and averaged over the batches, NaN left out, as
-TRL averages its evaluation metrics. The math benchmark evaluation with pass@k is
-`evaluation.py`.
+TRL averages its evaluation metrics. `loss` is TRL's evaluation loss (`objective_of_batches`):
+the objective of each batch of `per_device_eval_batch_size` completions at the current weights,
+averaged over the batches of all processes, with the objective's own metrics (`entropy`,
+`clip_ratio/*`, `kl`) beside it. The math benchmark evaluation with pass@k is `evaluation.py`.
 
 A recipe that evaluates with it (`recipes/vlm_math.py`) records each evaluation's accuracy in its
 `metrics.jsonl` with `HeldOutRewardCallback` and reports before and after with `rewards_table`.
@@ -24,8 +26,9 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainerCallback
 
+from .batches import split_micro_batches, training_tensors
 from .metrics import rollout_metrics
-from .objective import weighted_rewards
+from .objective import group_advantages, weighted_rewards
 
 
 @torch.no_grad()
@@ -65,6 +68,9 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
             )
             for key, value in metrics.items():
                 batches[key].append(value)
+            for metrics in objective_of_batches(trainer, rollout, rewards):
+                for key, value in metrics.items():
+                    batches[key].append(value)
     sums = accelerator.reduce(sums, reduction="sum")
     counts = accelerator.reduce(counts, reduction="sum").clamp(min=1)
     means = (sums / counts).tolist()
@@ -74,6 +80,50 @@ def mean_rewards(trainer, dataset, metric_key_prefix: str = "eval") -> dict[str,
         f"{metric_key_prefix}_{name}": value
         for name, value in {**_batch_means(batches, accelerator, exact), **exact}.items()
     }
+
+
+def objective_of_batches(trainer, rollout, rewards: torch.Tensor) -> list[dict[str, float]]:
+    """TRL's evaluation loss on a rollout: `trainer.compute_objective` on each batch of
+    `per_device_eval_batch_size` completions, the model in eval mode (dropout off) and at the
+    weights that sampled them, so the ratio is 1 and the loss is the advantage term aggregated by
+    `loss_type`, plus the KL to the reference with `beta`. The advantages are those of the
+    rollout's groups of `num_generations_eval` (on this process), and no batch is divided by the
+    accumulation steps: one batch, as TRL's `prediction_step` computes it.
+
+    Returns:
+        each batch's `{"loss": ..., **objective metrics}`.
+    """
+    args, device = trainer.args, trainer.accelerator.device
+    group = args.num_generations_eval or args.num_generations
+    if group == args.num_generations:  # a subclass's compute_advantages, where it applies
+        advantages = trainer.compute_advantages(rewards)
+    else:
+        advantages = group_advantages(
+            rewards,
+            group,
+            weights=trainer.reward_weights,
+            scale=args.scale_rewards,
+            multi_objective_aggregation=args.multi_objective_aggregation,
+        )
+    tensors = training_tensors(
+        rollout, advantages, device, mask_truncated=args.mask_truncated_completions
+    )
+    size = args.per_device_eval_batch_size
+    if args.beta > 0:
+        tensors["ref_logps"] = trainer._reference_logps(tensors, size)
+    # Each batch's own tokens divide "dapo" (compute_objective divides by the process count).
+    batches = split_micro_batches(tensors, size, 1, lambda tokens: tokens * args.world_size)
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    try:
+        results = []
+        for batch in batches:
+            loss, metrics = trainer.compute_objective(model, batch)
+            results.append({"loss": loss.item(), **metrics})
+    finally:
+        model.train(was_training)
+    return results
 
 
 def rows_of_process(dataset, rank: int, world_size: int):

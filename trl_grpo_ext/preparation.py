@@ -79,6 +79,27 @@ def agent(tools, environment_factory, rollout_func, args: GroupRelativeConfig):
     return built
 
 
+def named_eval_sets(eval_dataset) -> dict:
+    """`eval_dataset` as the sets `evaluate()` reads, each named as the checks' messages name it:
+    one set, or each set of a dict of datasets or a `DatasetDict` (whose metrics are
+    `eval_<name>_...`, as `transformers.Trainer` names them)."""
+    if isinstance(eval_dataset, dict):  # a DatasetDict is a dict
+        return {f"eval_dataset[{name!r}]": dataset for name, dataset in eval_dataset.items()}
+    return {"eval_dataset": eval_dataset}
+
+
+def eval_set_by_name(eval_dataset, name: str):
+    """The set `name` of a trainer's several evaluation sets (`evaluate(eval_dataset=name)`)."""
+    if not isinstance(eval_dataset, dict) or name not in eval_dataset:
+        names = sorted(eval_dataset) if isinstance(eval_dataset, dict) else None
+        raise ValueError(
+            f"evaluate(eval_dataset={name!r}) names one of the trainer's evaluation sets, but its "
+            f"eval_dataset has {'the sets ' + str(names) if names else 'no named sets'}: pass one "
+            "of those names, a dataset, or eval_dataset={name: dataset, ...} to the trainer."
+        )
+    return eval_dataset[name]
+
+
 def check_images(
     processing_class, datasets: dict, first_rows: dict, args: GroupRelativeConfig, rollout_func
 ):

@@ -96,8 +96,9 @@ class GroupRelativeTrainer(
             an `image` or `images` column, or `{"type": "image"}` parts in conversational
             prompts; single-turn rollouts on the transformers engine only for now (other paths
             are an error, `generation/images.py`).
-        eval_dataset (`datasets.Dataset` or `datasets.IterableDataset`, *optional*):
-            Prompts for `evaluate()`, in the same format (a stream is read to its end).
+        eval_dataset (`datasets.Dataset`, `datasets.IterableDataset` or a `dict`, *optional*):
+            Prompts for `evaluate()`, in the same format (a stream is read to its end); several
+            named sets (a dict or a `DatasetDict`) are each evaluated, as `eval_<name>_...`.
         processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`, *optional*):
             Tokenizer, or a vision-language model's processor (needed for images); loaded from
             the model's folder when omitted (`AutoProcessor` for a vision-language model).
@@ -172,7 +173,7 @@ class GroupRelativeTrainer(
             train_dataset = preparation.environment_dataset(
                 train_dataset, environment_factory, args
             )
-        datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
+        datasets = {"train_dataset": train_dataset, **preparation.named_eval_sets(eval_dataset)}
         first_rows = {
             split: check_prompt_dataset(
                 processing_class, dataset, split, environment_factory is None
@@ -333,10 +334,15 @@ class GroupRelativeTrainer(
         gradient of exactly 0: it runs the model without gradient, for its metrics (TRL logs
         them on every micro-batch), and skips the backward pass.
 
+        In `evaluate()` (the model in eval mode) the loss is TRL's evaluation loss: one batch,
+        not divided by the accumulation steps, and the adaptive entropy coefficient is left as is.
+
         Returns:
             `(loss, metrics)`; metrics are floats, averaged over the micro-batches when logged.
         """
         args = self.args
+        training = self.model.training  # False in evaluate(), as TRL tells them apart
+        accumulation = self.current_gradient_accumulation_steps if training else 1
         no_signal = self._carries_no_signal(batch)
         aux_losses = captured_aux_losses(model) if self.aux_loss_enabled else nullcontext([])
         with torch.no_grad() if no_signal else nullcontext(), aux_losses as aux_losses:
@@ -369,13 +375,13 @@ class GroupRelativeTrainer(
             stats["policy_loss"] = loss.detach()  # TRL's metric: before accumulation scaling
         if LOSS_TYPE_TABLE[settings.loss_type].aggregation != "dapo":
             # The other aggregations are per-micro-batch means (see the docstring).
-            loss = loss / self.current_gradient_accumulation_steps
+            loss = loss / accumulation
         mask = batch["completion_mask"]
         if control.enabled:
-            step_ends = self.accelerator.sync_gradients
+            step_ends = self.accelerator.sync_gradients and training
             loss = control.add_bonus(
-                loss, entropy, mask, entropy_mask, self.current_gradient_accumulation_steps,
-                step_ends, self._sum_over_processes,
+                loss, entropy, mask, entropy_mask, accumulation,
+                step_ends, self._sum_over_processes, record=training,
             )  # fmt: skip
             if step_ends:
                 self._metrics["entropy_coef"].append(control.coef)
@@ -384,10 +390,12 @@ class GroupRelativeTrainer(
                 loss,
                 aux_losses,
                 self.router_aux_loss_coef,
-                self.current_gradient_accumulation_steps,
+                accumulation,
             )
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        metrics = extremes_over_processes(stats, self.accelerator.gather)
+        # In evaluate(), processes may score different numbers of batches: no collective.
+        gather = self.accelerator.gather if training else lambda tensor: tensor
+        metrics = extremes_over_processes(stats, gather)
         if no_signal:
             # Every term of the loss is an advantage times something: the loss and its gradient
             # are exactly 0, so no backward pass. Zero gradients still reach the optimizer
@@ -444,6 +452,13 @@ class GroupRelativeTrainer(
         """Log-probs of the sampling (or reference) policy, without gradient and with dropout
         off (`logprobs.no_grad_logprobs`)."""
         return no_grad_logprobs(self._token_logprobs, model, tensors, chunk_size)
+
+    def _reference_logps(self, tensors: dict, chunk_size: int) -> torch.Tensor:
+        """Log-probs of the reference policy: `ref_model`, or the base model without the adapter."""
+        if self.ref_model is not None:
+            return self._logps_in_chunks(self.ref_model, tensors, chunk_size)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            return self._logps_in_chunks(self.model, tensors, chunk_size)
 
     def _sample(self, rows: list[dict], index: int, round_index: int = 0) -> Rollout:
         """Generation batch `index` through `generate_rollouts`, in every mode: sampled now
@@ -509,11 +524,7 @@ class GroupRelativeTrainer(
         if args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations):
             tensors["old_logps"] = self._logps_in_chunks(self.model, tensors, micro)
         if args.beta > 0:
-            if self.ref_model is not None:
-                tensors["ref_logps"] = self._logps_in_chunks(self.ref_model, tensors, micro)
-            else:
-                with self.accelerator.unwrap_model(self.model).disable_adapter():
-                    tensors["ref_logps"] = self._logps_in_chunks(self.model, tensors, micro)
+            tensors["ref_logps"] = self._reference_logps(tensors, micro)
 
         return split_micro_batches(
             tensors,
@@ -576,14 +587,31 @@ class GroupRelativeTrainer(
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Samples completions for the evaluation prompts and reports their mean rewards.
+        """Samples completions for the evaluation prompts, scores them, and reports TRL's
+        evaluation loss and metrics.
+
+        Args:
+            eval_dataset (`Dataset`, `IterableDataset`, `dict`, `DatasetDict` or `str`, *optional*):
+                The prompts; defaults to the trainer's `eval_dataset`. Several sets (a dict)
+                are each evaluated, their metrics named `{prefix}_<name>_...`, as in
+                `transformers.Trainer`; a `str` evaluates the trainer's set of that name.
+            metric_key_prefix (`str`, *optional*, defaults to `"eval"`): prefix of the keys.
 
         Returns:
-            `dict` with `{prefix}_reward` and `{prefix}_rewards/<name>/mean`.
+            `dict` with `{prefix}_loss` (the objective on the sampled completions at the current
+            weights, TRL's `eval_loss`), `{prefix}_reward`, `{prefix}_rewards/<name>/mean` and
+            the other rollout and objective metrics.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (passed here or to the trainer).")
+        if isinstance(dataset, str):
+            dataset = preparation.eval_set_by_name(self.eval_dataset, dataset)
+        if isinstance(dataset, dict):  # several sets, a DatasetDict among them
+            metrics = {}
+            for name, each in dataset.items():
+                metrics.update(self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
         metrics = mean_rewards(self, dataset, metric_key_prefix)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(
