@@ -38,8 +38,10 @@ DATASETS_WHEELS=${DATASETS_WHEELS:-"datasets==4.7.* pyarrow==21.* dill<0.4.1 mul
 # The GPU image has transformers 5.17 (below our 5.19) with huggingface_hub 1.33: 5.24 is the
 # newest transformers that takes a huggingface_hub below 2.
 TRANSFORMERS_WHEEL=${TRANSFORMERS_WHEEL:-"transformers==5.24.*"}
+# liger-kernel (pure Python, under 1 MB; Triton comes with CUDA torch): tests/test_cuda.py trains
+# with `use_liger_kernel=True`.
 PACKAGES="$TRANSFORMERS_WHEEL trl accelerate peft math-verify latex2sympy2_extended
-antlr4-python3-runtime==4.13.2 xxhash pandas $DATASETS_WHEELS"
+antlr4-python3-runtime==4.13.2 xxhash pandas liger-kernel $DATASETS_WHEELS"
 
 if [ "${1:-}" = prep ]; then
     mkdir -p "$WHEELS"

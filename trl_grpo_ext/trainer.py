@@ -40,6 +40,7 @@ from .generation.images import text_tokenizer
 from .generation.rollout import Rollout, eos_token_ids
 from .generation.transformers_engine import generation_seed, seeded
 from .hub import HubMixin
+from .liger import prepare_liger_kernel
 from .logprobs import completion_logprobs, no_grad_logprobs
 from .metrics import (
     RewardLogs,
@@ -159,6 +160,7 @@ class GroupRelativeTrainer(
     ):
         args = preparation.trainer_config(model, args)
         preparation.warn_as_trl(args, train_dataset, environment_factory)
+        prepare_liger_kernel(args)  # TRL's checks; Liger's kernels need a GPU
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
         self.agent = preparation.agent(tools, environment_factory, rollout_func, args)
