@@ -14,7 +14,7 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from ..logprobs import float32_head, token_logprobs, transformers_model
+from ..logprobs import adds_virtual_tokens, float32_head, token_logprobs, transformers_model
 from . import compacting, compiled_decoding
 from .merged_adapters import merged_for_sampling
 from .packed_weights import packed_linear_weights
@@ -159,11 +159,14 @@ def _generate_groups(
     """
     group_size = generation_config.num_return_sequences
     # a cache other than the dynamic one (static, quantized, offloaded) has rows that do not
-    # repeat: known from the config, before any pass
+    # repeat: known from the config, before any pass; prompt learning's virtual tokens are
+    # positions of the cache that PEFT's generate adds, not the prompt's
     if not generation_config.max_new_tokens or generation_config.cache_implementation not in (
         None,
         "dynamic",
     ):
+        return None
+    if adds_virtual_tokens(model):
         return None
     first_config = copy.deepcopy(generation_config)
     first_config.num_return_sequences = 1

@@ -1,0 +1,102 @@
+"""Options that trl.GRPOTrainer 1.16 takes and that its own test file uses, run side by side with
+ours on the same tiny model: `dataloader_num_workers`, beam search in `generation_kwargs`, and a
+prompt-learning `peft_config`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_helpers import digit_sums, make_trainer
+from trl_reference import matches_trl
+
+from trl_grpo_ext.logprobs import completion_logprobs
+from trl_grpo_ext.tiny import tiny_model_and_tokenizer
+
+TINY = dict(
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=3,
+    max_steps=1,
+    learning_rate=0.1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+)
+
+
+def alternating(completions, **kwargs):
+    """1, 0, 1, 0, ...: every group has a non-zero advantage, whatever was sampled."""
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+def trl_trainer(tmp_path, peft_config=None, train_dataset=None, **config):
+    import trl
+
+    model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
+    return trl.GRPOTrainer(
+        model=model,
+        reward_funcs=alternating,
+        args=trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, **{**TINY, **config}
+        ),
+        train_dataset=digit_sums() if train_dataset is None else train_dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+# ---------------------------------------------------------------- prompt learning (PEFT)
+
+
+def prompt_tuning():
+    from peft import PromptTuningConfig, TaskType
+
+    return PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+
+
+def trains_only_the_virtual_tokens(trainer):
+    """Trains one step; asserts the prompt embeddings moved and every base weight did not."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {
+        name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p)
+    }
+    assert changed == {"prompt_encoder.default.embedding.weight"}
+
+
+@matches_trl
+def test_a_prompt_learning_peft_config_trains_the_virtual_tokens_as_trl(tmp_path):
+    """TRL 1.16 builds and trains with a PromptTuningConfig; so do we, the base model frozen."""
+    trains_only_the_virtual_tokens(trl_trainer(tmp_path, peft_config=prompt_tuning()))
+    trains_only_the_virtual_tokens(
+        make_trainer(
+            tmp_path / "ours", reward_funcs=alternating, peft_config=prompt_tuning(), **TINY
+        )
+    )
+
+
+def test_prompt_learning_log_probs_include_the_virtual_tokens(tmp_path):
+    """The trained log-probs are those of PEFT's forward pass, virtual tokens before the inputs
+    (rows sharing a prompt are not packed, which PEFT's 2D mask could not take)."""
+    trainer = make_trainer(tmp_path, peft_config=prompt_tuning(), **TINY)
+    model = trainer.model.eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # virtual tokens far from their initial values
+        model.prompt_encoder.default.embedding.weight.normal_(0, 1)
+    prompt = torch.tensor([[5, 6, 7, 8]]).repeat(4, 1)  # (4, P): one group of 4
+    completion = torch.randint(10, 40, (4, 3))  # (4, T)
+    input_ids = torch.cat([prompt, completion], 1)
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        ours = completion_logprobs(model, input_ids, mask, completion)
+        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, -4:-1]  # (4, T, V)
+        expected = logits.log_softmax(-1).gather(2, completion.unsqueeze(2)).squeeze(2)
+        with model.disable_adapter():  # the base model alone gives other numbers
+            plain = completion_logprobs(model, input_ids, mask, completion)
+    torch.testing.assert_close(ours, expected)
+    assert not torch.allclose(ours, plain, atol=1e-3)
+
+
+def test_prompt_learning_with_vllm_is_an_error_that_says_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match="use_vllm=False"):
+        make_trainer(tmp_path, peft_config=prompt_tuning(), use_vllm=True, **TINY)
