@@ -100,3 +100,58 @@ def test_prompt_learning_log_probs_include_the_virtual_tokens(tmp_path):
 def test_prompt_learning_with_vllm_is_an_error_that_says_what_to_change(tmp_path):
     with pytest.raises(ValueError, match="use_vllm=False"):
         make_trainer(tmp_path, peft_config=prompt_tuning(), use_vllm=True, **TINY)
+
+
+# ---------------------------------------------------------------- beam search in generation_kwargs
+
+TRLS_BEAMS = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}  # its test's
+
+
+def trains(trainer):
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    return any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@matches_trl
+def test_beam_search_generation_kwargs_train_as_in_trl(tmp_path):
+    """TRL's own test's settings: three completions per prompt from two beams (transformers
+    refuses more returned sequences than beams; TRL runs each prompt three times)."""
+    beams = dict(num_generations=3, per_device_train_batch_size=3, generation_kwargs=TRLS_BEAMS)
+    assert trains(trl_trainer(tmp_path, **{**TINY, **beams}))
+    assert trains(make_trainer(tmp_path / "ours", reward_funcs=alternating, **{**TINY, **beams}))
+
+
+def test_beam_search_runs_each_prompt_once_per_completion(tmp_path):
+    """Without sampling, every completion of a group is the prompt's best beam, as with TRL's G
+    repeats of the prompt; the trainer's own log-probs are the old ones (no behaviour ones)."""
+    trainer = make_trainer(
+        tmp_path,
+        **{**TINY, "num_generations": 3, "per_device_train_batch_size": 3},
+        generation_kwargs={"do_sample": False, "num_beams": 3},
+    )
+    rows = [{"prompt": "0+1="}, {"prompt": "1+2="}]  # whose best beam is not the greedy path
+    rollout = trainer.generate_rollouts(rows)
+    assert rollout.behaviour_logps is None
+    model, tokenizer = trainer.model, trainer.processing_class
+    for index, row in enumerate(rows):
+        encoded = tokenizer(row["prompt"], return_tensors="pt")
+        best, greedy = (
+            model.generate(
+                **encoded, num_beams=beams, do_sample=False, max_new_tokens=3,
+                eos_token_id=trainer.eos_token_ids, pad_token_id=tokenizer.pad_token_id,
+            )[0, encoded["input_ids"].shape[1] :].tolist()
+            for beams in (3, 1)
+        )  # fmt: skip
+        assert best != greedy
+        group = rollout.completion_ids[3 * index : 3 * index + 3]  # (3, T)
+        mask = rollout.completion_mask[3 * index : 3 * index + 3].bool()
+        for completion, kept in zip(group, mask):
+            assert completion[kept].tolist() == best[: int(kept.sum())]
+
+
+@pytest.mark.parametrize("setting", [dict(use_vllm=True), dict(max_staleness=1)])
+def test_beam_search_off_the_trainers_generate_is_an_error_naming_the_setting(tmp_path, setting):
+    with pytest.raises(ValueError, match="num_beams=2 asks for beam search"):
+        make_trainer(tmp_path, **TINY, generation_kwargs={"num_beams": 2}, **setting)
