@@ -4,8 +4,12 @@ prompt-learning `peft_config`."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
+from datasets import Dataset
+from test_trl_differences import GenerationBatches, numbered_prompts
 from trainer_helpers import digit_sums, make_trainer
 from trl_reference import matches_trl
 
@@ -29,7 +33,7 @@ def alternating(completions, **kwargs):
     return [float(i % 2 == 0) for i in range(len(completions))]
 
 
-def trl_trainer(tmp_path, peft_config=None, train_dataset=None, **config):
+def trl_trainer(tmp_path, peft_config=None, train_dataset=None, eval_dataset=None, **config):
     import trl
 
     model, tokenizer = tiny_model_and_tokenizer(seed=0, initializer_range=0.2)
@@ -40,6 +44,7 @@ def trl_trainer(tmp_path, peft_config=None, train_dataset=None, **config):
             output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, **{**TINY, **config}
         ),
         train_dataset=digit_sums() if train_dataset is None else train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
     )
@@ -155,3 +160,73 @@ def test_beam_search_runs_each_prompt_once_per_completion(tmp_path):
 def test_beam_search_off_the_trainers_generate_is_an_error_naming_the_setting(tmp_path, setting):
     with pytest.raises(ValueError, match="num_beams=2 asks for beam search"):
         make_trainer(tmp_path, **TINY, generation_kwargs={"num_beams": 2}, **setting)
+
+
+# ---------------------------------------------------------------- dataloader_num_workers
+
+WORKERS = dict(dataloader_num_workers=2)
+
+
+def streamed(dataset: Dataset):
+    return dataset.to_iterable_dataset()
+
+
+@matches_trl
+def test_a_map_style_train_set_keeps_its_workers_beside_an_iterable_eval_set_as_trl(tmp_path):
+    """TRL's training loader has `dataloader_num_workers` workers, an iterable eval set or not."""
+    eval_dataset = streamed(digit_sums())
+    theirs = trl_trainer(tmp_path, eval_dataset=eval_dataset, **WORKERS)
+    ours = make_trainer(tmp_path / "ours", eval_dataset=eval_dataset, **{**TINY, **WORKERS})
+    for trainer in (theirs, ours):
+        assert trainer.get_train_dataloader().num_workers == 2
+        assert trainer.args.dataloader_num_workers == 2
+
+
+@matches_trl
+def test_a_streamed_train_set_is_read_without_workers_as_trl(tmp_path, caplog):
+    """TRL sets dataloader_num_workers to 0 for a stream, with a warning: workers would each
+    read the stream and interleave their generation batches."""
+    theirs = trl_trainer(tmp_path, train_dataset=streamed(digit_sums()), **WORKERS)
+    with caplog.at_level("WARNING"):
+        ours = make_trainer(
+            tmp_path / "ours", dataset=streamed(digit_sums()), **{**TINY, **WORKERS}
+        )
+    assert "require `dataloader_num_workers=0`" in caplog.text
+    for trainer in (theirs, ours):
+        assert trainer.args.dataloader_num_workers == 0
+        assert trainer.get_train_dataloader().num_workers == 0
+
+
+def trained_batches(tmp_path, **workers) -> list[list[int]]:
+    """The rows of each generation batch of a run over an epoch boundary, two generation
+    batches an epoch, each reused over two micro-batches."""
+    reward = GenerationBatches()
+    trainer = make_trainer(
+        tmp_path,
+        reward_funcs=reward,
+        dataset=numbered_prompts(8),
+        **{**TINY, "steps_per_generation": 2, "max_steps": 6, "logging_steps": 1},
+        **workers,
+    )
+    assert trainer.get_train_dataloader().num_workers == workers.get("dataloader_num_workers", 0)
+    trainer.train()
+    return reward.batches
+
+
+@pytest.fixture(scope="module")
+def batches_without_workers(tmp_path_factory):
+    batches = trained_batches(tmp_path_factory.mktemp("without-workers"))
+    assert len(batches) == 3 and sorted(set(batches[0] + batches[1])) == list(range(8))
+    return batches
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_give_the_batches_of_a_loader_without_workers(
+    tmp_path, persistent, batches_without_workers
+):
+    before = set(multiprocessing.active_children())
+    with_workers = trained_batches(
+        tmp_path / "with", dataloader_persistent_workers=persistent, **WORKERS
+    )
+    assert with_workers == batches_without_workers
+    assert set(multiprocessing.active_children()) <= before  # ended with train(), persistent too
