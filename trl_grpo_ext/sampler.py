@@ -111,10 +111,19 @@ class EpochDataLoader(DataLoader):
         """Ends `dataloader_persistent_workers` now, at the end of `train()` (which builds a new
         loader each time). Otherwise they would live until the garbage collector frees the
         trainer, and torch's shutdown, after its queues went first, waits 5 s on each. Drops
-        the iterator torch caches for them (`DataLoader._iterator`, private, torch 2.13), whose
-        deletion ends them; without that attribute they end with the loader, as before."""
-        if "_iterator" in self.__dict__:
-            self._iterator = None
+        the iterator torch caches for them (`DataLoader._iterator`, private, tested on torch
+        2.13), whose deletion ends them; without that attribute they end with the loader, as
+        in transformers' Trainer, and a warning says so."""
+        if not self.persistent_workers:
+            return
+        if "_iterator" not in self.__dict__:
+            logger.warning(
+                "torch %s's DataLoader has no `_iterator` (tested on 2.13): the persistent data "
+                "loader workers end when the trainer is freed, not at the end of train().",
+                torch.__version__,
+            )
+            return
+        self._iterator = None
 
 
 def collate_rows(batch: list[dict]) -> list[dict]:
