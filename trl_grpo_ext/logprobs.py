@@ -517,6 +517,17 @@ def transformers_model(model):
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
+def adds_virtual_tokens(model) -> bool:
+    """Whether a (DDP-wrapped) PEFT model has prompt-learning adapters (prompt tuning, prefix
+    tuning, P-tuning): its forward pass puts virtual tokens before the inputs, so it takes a
+    2D attention mask only and its cache holds positions that are no row's tokens."""
+    for module in model.modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict):
+            return any(getattr(config, "is_prompt_learning", False) for config in configs.values())
+    return False
+
+
 def _is_sharded(model) -> bool:
     for module in model.modules():
         for cls in type(module).__mro__:
@@ -882,6 +893,8 @@ def _shared_prompt_logits(model, input_ids, attention_mask, completion_length: i
     rows, total_length = input_ids.shape
     prompt_length = total_length - completion_length
     if prompt_length < 2 or rows < 2 or completion_length < 1:
+        return None
+    if adds_virtual_tokens(model):  # PEFT prepends them to a 2D mask; a 4D one is refused
         return None
     config = _unwrapped_config(model)
     implementation = getattr(config, "_attn_implementation", None)

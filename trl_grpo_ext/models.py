@@ -16,12 +16,15 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import random
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "tiny"  # model_name_or_path that selects the embedded, warmed-up model
 
@@ -344,6 +347,7 @@ def prepare_policy(model, args, peft_config=None):
 
         with without_checkpointing_alias_warning():  # PeftModel reads the deprecated alias
             model = get_peft_model(model, language_model_lora(model, peft_config))
+    _check_prompt_learning(model, args)
     if args.gradient_checkpointing and is_peft_model(model):
         _check_reentrant_under_zero3(args)
         model.enable_input_require_grads()
@@ -386,6 +390,31 @@ def language_model_lora(model, peft_config):
     if not names:
         return peft_config
     return dataclasses.replace(peft_config, target_modules=names)
+
+
+def _check_prompt_learning(model, args) -> None:
+    """Prompt-learning adapters (prompt tuning, P-tuning, prefix tuning) train virtual tokens
+    that PEFT's forward pass and `generate` put before the inputs. They train with the paths
+    that take such inputs: log-probs row by row (not packed by shared prompt, which needs a 4D
+    mask PEFT refuses) and `generate` encoding each prompt once per completion. vLLM, which
+    serves LoRA adapters only, would sample without the virtual tokens: an error."""
+    from .logprobs import adds_virtual_tokens
+
+    if not adds_virtual_tokens(model):
+        return
+    kind = type(model.active_peft_config).__name__
+    if args.use_vllm:
+        raise ValueError(
+            f"use_vllm=True with a prompt-learning peft_config ({kind}): vLLM serves LoRA "
+            "adapters only and would sample without the trained virtual tokens. Set "
+            "use_vllm=False (transformers' generate samples with them), or use a LoraConfig."
+        )
+    logger.info(
+        "%s: log-probs are computed row by row (no shared-prompt packing) and sampling "
+        "encodes each prompt once per completion, the paths that take prompt learning's "
+        "virtual tokens; LoRA adapters keep the faster ones.",
+        kind,
+    )
 
 
 def _check_reentrant_under_zero3(args) -> None:

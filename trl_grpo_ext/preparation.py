@@ -16,6 +16,7 @@ import logging
 import os
 import weakref
 
+import datasets
 import torch
 
 from .config import GroupRelativeConfig
@@ -129,8 +130,10 @@ def check_images(
 
 def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -> None:
     """The warnings `trl.GRPOTrainer` gives at construction: sequence-level importance
-    sampling with a loss type that sums per-token terms; and, where TRL raises, a trainer with
-    neither a train dataset nor an environment (here it can still `evaluate()`)."""
+    sampling with a loss type that sums per-token terms; a streamed train dataset with data
+    loader workers, which are set to 0 as TRL sets them (`sampler.train_dataloader`); and,
+    where TRL raises, a trainer with neither a train dataset nor an environment (here it can
+    still `evaluate()`)."""
     level, loss_type = args.importance_sampling_level, args.loss_type
     if level == "sequence" and loss_type in TOKEN_SUMMED_LOSS_TYPES:
         logger.warning(
@@ -139,6 +142,12 @@ def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -
             "length instead of optimizing the per-sequence objective. To reproduce the GSPO "
             "paper's setup, set `loss_type='grpo'`."
         )
+    if isinstance(train_dataset, datasets.IterableDataset) and args.dataloader_num_workers:
+        logger.warning(
+            "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
+            f"overriding the provided value ({args.dataloader_num_workers})."
+        )
+        args.dataloader_num_workers = 0
     if train_dataset is None and environment_factory is None:
         logger.warning(
             "No train_dataset and no environment_factory: this trainer can evaluate() and "

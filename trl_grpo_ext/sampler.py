@@ -3,9 +3,15 @@ from a map-style dataset or a stream."""
 
 from __future__ import annotations
 
+import logging
+from functools import partial
+
 import datasets
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
+from transformers.trainer_utils import seed_worker
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationBatchSampler(Sampler[list[int]]):
@@ -101,16 +107,63 @@ class EpochDataLoader(DataLoader):
     def set_epoch(self, epoch: int):
         (self.batch_sampler if self.batch_sampler is not None else self.dataset).set_epoch(epoch)
 
+    def end_workers(self) -> None:
+        """Ends `dataloader_persistent_workers` now, at the end of `train()` (which builds a new
+        loader each time). Otherwise they would live until the garbage collector frees the
+        trainer, and torch's shutdown, after its queues went first, waits 5 s on each. Drops
+        the iterator torch caches for them (`DataLoader._iterator`, private, tested on torch
+        2.13), whose deletion ends them; without that attribute they end with the loader, as
+        in transformers' Trainer, and a warning says so."""
+        if not self.persistent_workers:
+            return
+        if "_iterator" not in self.__dict__:
+            logger.warning(
+                "torch %s's DataLoader has no `_iterator` (tested on 2.13): the persistent data "
+                "loader workers end when the trainer is freed, not at the end of train().",
+                torch.__version__,
+            )
+            return
+        self._iterator = None
+
 
 def collate_rows(batch: list[dict]) -> list[dict]:
     """Keeps a batch as the list of dataset rows (the trainer renders and tokenises them)."""
     return batch
 
 
+def worker_options(args) -> dict:
+    """The `DataLoader` options of `args` that transformers' Trainer (and TRL's) gives its
+    training loader: `dataloader_num_workers` and what goes with them, and each worker seeded as
+    the Trainer seeds it. The batch sampler runs in this process and the workers deliver its
+    batches in order, so the batches are those of a loader without workers.
+    `dataloader_in_order=False` is not followed: the micro-batch slots of a generation batch
+    must come in their order. `dataloader_pin_memory` has nothing to pin: the loader yields
+    dataset rows, which the trainer tokenises afterwards."""
+    if not args.dataloader_num_workers:
+        return {}
+    if getattr(args, "dataloader_in_order", True) is False:
+        logger.warning(
+            "dataloader_in_order=False is not followed for training: the repeated prompts of a "
+            "generation batch must reach the trainer in order. The training loader delivers "
+            "in order; the data loader workers still prepare batches ahead."
+        )
+    return dict(
+        num_workers=args.dataloader_num_workers,
+        persistent_workers=args.dataloader_persistent_workers,
+        prefetch_factor=args.dataloader_prefetch_factor,
+        multiprocessing_context=args.dataloader_multiprocessing_context,
+        worker_init_fn=partial(
+            seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+        ),
+    )
+
+
 def train_dataloader(dataset, args) -> DataLoader:
     """The training prompts of this process, one generation batch per item, `steps_per_generation
-    * num_iterations` times each: from a `Dataset` by `GenerationBatchSampler`, from a stream
-    (`datasets.IterableDataset`) by `StreamBatches`."""
+    * num_iterations` times each: from a `Dataset` by `GenerationBatchSampler` (with
+    `dataloader_num_workers` workers fetching its rows, `worker_options`), from a stream
+    (`datasets.IterableDataset`) by `StreamBatches` (read in this process, as in TRL: workers
+    would each read the stream and interleave their generation batches)."""
     batches = dict(
         prompts_per_batch=args.prompts_per_generation,
         repeats=args.steps_per_generation * args.num_iterations,
@@ -130,7 +183,9 @@ def train_dataloader(dataset, args) -> DataLoader:
             "add prompts or lower per_device_train_batch_size or steps_per_generation."
         )
     sampler = GenerationBatchSampler(num_rows=len(dataset), **batches)
-    return EpochDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+    return EpochDataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate_rows, **worker_options(args)
+    )
 
 
 def micro_batches_per_epoch(dataset, args) -> int | None:

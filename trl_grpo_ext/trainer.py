@@ -205,6 +205,7 @@ class GroupRelativeTrainer(
         # MoE load-balancing loss, TRL's names (router_loss.py)
         self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss_coef(model, args)
         self._buffer: list[dict] | None = None
+        self._train_loader = None  # of the latest train(), whose workers it ends
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_rollout_table: dict[str, list] | None = None
         self._warned_all_truncated = False  # `metrics.warn_if_nothing_trains`, once per run
@@ -234,7 +235,8 @@ class GroupRelativeTrainer(
                 "`train_dataset` is required to train unless an `environment_factory` is provided "
                 "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
             )
-        return train_dataloader(self.train_dataset, self.args)
+        self._train_loader = train_dataloader(self.train_dataset, self.args)
+        return self._train_loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Pulls the prompts of one optimizer step and returns its micro-batches of rollouts."""

@@ -16,7 +16,8 @@ from .checkpoints import (
 
 class RolloutCheckpointsMixin:
     """`train`, `rollout_state`, `load_rollout_state` and `_save_rng_state` of
-    `GroupRelativeTrainer`, over its `_buffer`, `_metrics`, `rollouts` and `entropy_control`."""
+    `GroupRelativeTrainer`, over its `_buffer`, `_metrics`, `rollouts`, `entropy_control` and
+    `_train_loader`."""
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """As `Trainer.train`; `resume_from_checkpoint=True` skips incomplete checkpoints (one
@@ -29,6 +30,9 @@ class RolloutCheckpointsMixin:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self.rollouts.close()
+            loader = getattr(self, "_train_loader", None)
+            if loader is not None:  # persistent data loader workers
+                loader.end_workers()
 
     def rollout_state(self) -> RolloutState:
         """What the next optimizer steps train on beyond weights, optimizer and data position:

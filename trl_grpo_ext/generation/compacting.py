@@ -49,7 +49,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from ..internals import usable
-from ..logprobs import transformers_model
+from ..logprobs import adds_virtual_tokens, transformers_model
 from . import kv_room
 
 # Processors whose output for a row depends on that row's tokens and scores only.
@@ -117,10 +117,7 @@ def can_compact(model) -> bool:
     # A PEFT model's `generate` runs the transformers model's, with PEFT's input preparation,
     # which passes the loop's arguments on for adapters on the weights (LoRA and kin); prompt
     # learning adds virtual tokens to the inputs, which are not rows to select.
-    peft_configs = getattr(model, "peft_config", None)
-    if isinstance(peft_configs, dict) and any(
-        getattr(peft_config, "is_prompt_learning", False) for peft_config in peft_configs.values()
-    ):
+    if adds_virtual_tokens(model):
         return False
     inner = transformers_model(model)
     if inner is None or not _prepares_steps(inner):

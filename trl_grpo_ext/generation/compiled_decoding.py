@@ -41,7 +41,7 @@ from transformers import CompileConfig, GenerationConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
-from ..logprobs import transformers_model
+from ..logprobs import adds_virtual_tokens, transformers_model
 from . import compacting
 
 logger = logging.getLogger(__name__)
@@ -110,10 +110,7 @@ def unavailable(model, generation_config: GenerationConfig, inputs: dict) -> str
     extra = sorted(set(inputs) - TEXT_INPUTS)
     if extra:
         return f"the prompts carry {', '.join(extra)}, whose rows are not bucketed"
-    peft_configs = getattr(model, "peft_config", None)
-    if isinstance(peft_configs, dict) and any(
-        getattr(config, "is_prompt_learning", False) for config in peft_configs.values()
-    ):
+    if adds_virtual_tokens(model):
         return "prompt-learning adapters add virtual tokens to the cache"
     inner = transformers_model(model)
     if inner is None or getattr(inner.config, "is_encoder_decoder", False):

@@ -343,14 +343,15 @@ def _vllm_quantization(model) -> str | None:
 
 def lora_rank(peft_model) -> int | None:
     """The largest LoRA rank of a `PeftModel`'s adapters, counting each `rank_pattern`; None
-    for a model without adapters."""
-    configs = getattr(peft_model, "peft_config", None)
-    if not configs:
-        return None
-    return max(
+    for a model without LoRA adapters (none, or only prompt learning's virtual tokens, which
+    have no rank)."""
+    configs = getattr(peft_model, "peft_config", None) or {}
+    ranks = [
         max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
         for config in configs.values()
-    )
+        if getattr(config, "r", None) is not None
+    ]
+    return max(ranks, default=None)
 
 
 def build_engine(

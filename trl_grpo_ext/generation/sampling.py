@@ -76,7 +76,29 @@ class SamplingSettings:
         if greedy:  # no filter; top_k unset, as transformers warns of top_k=0 without sampling
             settings.update(temperature=1.0, top_p=1.0, top_k=None, min_p=None)
         settings.update(_with_stop_strings(self.generation_kwargs or {}))  # the user's win
+        if beam_search(settings):
+            # transformers refuses more returned sequences than beams; the engines run each
+            # prompt G times and keep one sequence of each, as TRL repeats each prompt G times
+            config = GenerationConfig(**{**settings, "num_return_sequences": 1})
+            config.num_return_sequences = settings["num_return_sequences"]  # G, read by engines
+            return config
         return GenerationConfig(**settings)
+
+
+def beam_search(settings) -> bool:
+    """Whether a `GenerationConfig` (or a dict of its fields) asks for beam search
+    (`num_beams > 1` in `generation_kwargs`, TRL's way to it): its tokens are not drawn from one
+    distribution per step, so an engine has no behaviour log-probs to give for them."""
+    beams = settings.get("num_beams") if isinstance(settings, dict) else settings.num_beams
+    return (beams or 1) > 1
+
+
+BEAMS_ON_THE_TRAINERS_GENERATE = (
+    "generation_kwargs num_beams={beams} asks for beam search, which runs on transformers' "
+    "generate in the trainer's process only, as in TRL (vLLM takes no num_beams, and the "
+    "asynchronous worker corrects for its sampling distribution, which beam search does not "
+    "have). Set use_vllm=False and leave max_staleness unset, or remove num_beams."
+)
 
 
 def sampling_config(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling import SamplingSettings
+from .sampling import BEAMS_ON_THE_TRAINERS_GENERATE, SamplingSettings, beam_search
 from .vllm_colocate import ColocateSettings
 
 
@@ -122,8 +122,12 @@ class GenerationSettings:
     @classmethod
     def from_config(cls, args) -> GenerationSettings:
         """The records of a `GroupRelativeConfig`, each built by its own `from_config`."""
-        return cls(
+        settings = cls(
             SamplingSettings.from_config(args),
             EngineSettings.from_config(args),
             RolloutSettings.from_config(args),
         )
+        kwargs = settings.sampling.generation_kwargs or {}
+        if beam_search(kwargs) and (settings.engine.use_vllm or settings.rollout.max_staleness):
+            raise ValueError(BEAMS_ON_THE_TRAINERS_GENERATE.format(beams=kwargs["num_beams"]))
+        return settings

@@ -14,11 +14,11 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from ..logprobs import float32_head, token_logprobs, transformers_model
+from ..logprobs import adds_virtual_tokens, float32_head, token_logprobs, transformers_model
 from . import compacting, compiled_decoding
 from .merged_adapters import merged_for_sampling
 from .packed_weights import packed_linear_weights
-from .sampling import isolated_from_checkpoint
+from .sampling import BEAMS_ON_THE_TRAINERS_GENERATE, beam_search, isolated_from_checkpoint
 
 
 @torch.no_grad()
@@ -106,6 +106,12 @@ def _generate(model, encoded, generation_config, return_logprobs, compact_finish
     prompt_length = encoded["input_ids"].shape[1]
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0)  # (B*G, P)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0)  # (B*G, P)
+    if beam_search(generation_config):
+        if return_logprobs:
+            raise ValueError(
+                BEAMS_ON_THE_TRAINERS_GENERATE.format(beams=generation_config.num_beams)
+            )
+        return prompt_ids, prompt_mask, _beam_search(model, encoded, generation_config)
     if return_logprobs:
         generation_config = copy.deepcopy(generation_config)
         generation_config.output_scores = True
@@ -140,6 +146,28 @@ def _generate(model, encoded, generation_config, return_logprobs, compact_finish
     return prompt_ids, prompt_mask, completion_ids, logps.masked_fill(~logps.isfinite(), 0.0)
 
 
+def _beam_search(model, encoded, generation_config) -> torch.Tensor:
+    """Completions `(B*G, T)` of beam search, as TRL runs it: `generate` on each prompt
+    repeated G times, one returned sequence each (its best beam; without sampling, the G
+    completions of a prompt are alike, as in TRL). There are no behaviour log-probs: as in TRL,
+    the trainer's own log-probs of the completions are the old ones."""
+    group_size = generation_config.num_return_sequences or 1
+    extra = sorted(set(encoded) - {"input_ids", "attention_mask", "tokenizer"})
+    if extra:
+        raise ValueError(
+            f"Beam search (generation_kwargs num_beams={generation_config.num_beams}) runs on "
+            f"text prompts only; these prompts carry {', '.join(extra)}. Remove num_beams."
+        )
+    config = copy.deepcopy(generation_config)
+    config.num_return_sequences = 1
+    inputs = {
+        key: value.repeat_interleave(group_size, dim=0) if key != "tokenizer" else value
+        for key, value in encoded.items()
+    }  # (B*G, P)
+    output = model.generate(**inputs, generation_config=config)  # (B*G, P + T)
+    return output[:, inputs["input_ids"].shape[1] :]
+
+
 def _generate_groups(
     model, encoded, prompt_ids, prompt_mask, generation_config, compact_finished=True
 ):
@@ -159,11 +187,14 @@ def _generate_groups(
     """
     group_size = generation_config.num_return_sequences
     # a cache other than the dynamic one (static, quantized, offloaded) has rows that do not
-    # repeat: known from the config, before any pass
+    # repeat: known from the config, before any pass; prompt learning's virtual tokens are
+    # positions of the cache that PEFT's generate adds, not the prompt's
     if not generation_config.max_new_tokens or generation_config.cache_implementation not in (
         None,
         "dynamic",
     ):
+        return None
+    if adds_virtual_tokens(model):
         return None
     first_config = copy.deepcopy(generation_config)
     first_config.num_return_sequences = 1
