@@ -21,6 +21,7 @@ from trl_grpo_ext.generation import PromptEncoder, compacting, merged_adapters, 
 from trl_grpo_ext.generation.packed_weights import packed_linear_weights
 from trl_grpo_ext.generation.process_worker import _register_output_capture
 from trl_grpo_ext.generation.transformers_engine import generate_with_transformers, seeded
+from trl_grpo_ext.sampler import EpochDataLoader
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
 
 
@@ -142,12 +143,35 @@ def worker_output_capture(monkeypatch) -> bool:
                 dict.__setitem__(registry, key, value)
 
 
+def persistent_workers_end(monkeypatch) -> bool:
+    """Whether the 2 persistent workers of a loader over 6 rows, after two epochs, are gone as
+    soon as `end_workers` returns; the batches are those of a loader without workers either
+    way."""
+    dataset = [{"row": i} for i in range(6)]
+    loader = EpochDataLoader(
+        dataset, batch_size=2, collate_fn=list, num_workers=2, persistent_workers=True
+    )
+    batches = [list(loader) for _ in range(2)]
+    want = list(torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=list))
+    assert batches == [want, want]
+    workers = list(loader._iterator._workers)
+    assert all(worker.is_alive() for worker in workers)  # persistent between epochs
+    loader.end_workers()
+    ended = not any(worker.is_alive() for worker in workers)
+    del loader  # where it is off, the workers end with the loader
+    for worker in workers:
+        worker.join(timeout=10)
+    assert not any(worker.is_alive() for worker in workers)
+    return ended
+
+
 CHECKS = {
     "sampling_loop": sampling_loop,
     "packed_weights": packed_weights,
     "attention_by_blocks": attention_by_blocks,
     "merged_lora": merged_lora,
     "worker_output_capture": worker_output_capture,
+    "persistent_workers_end": persistent_workers_end,
 }
 
 

@@ -1,12 +1,13 @@
 """The fast paths that use a library's private internals: which, tested on what, and whether each
 runs in this process.
 
-A few speed-ups reach into transformers, PEFT or torch below their public APIs (`FAST_PATHS`).
-Each states the releases of its library it is tested on; outside them, or where the internals it
-needs are missing, it does not run: the public way runs instead, and the reason is logged once
-per process (a warning naming the path, the installed release and the tested range). `usable`
-is the one place that decides; `RAN` records, for each path asked about, True where it ran and
-the reason where it did not, for tests and bug reports.
+Six paths reach into transformers, PEFT or torch below their public APIs (`FAST_PATHS`): five
+speed-ups, and the end of persistent data loader workers with `train()`. Each states the
+releases of its library it is tested on; outside them, or where the internals it needs are
+missing, it does not run: the public way runs instead, and the reason is logged once per process
+(a warning naming the path, the installed release and the tested range). `usable` is the one
+place that decides; `RAN` records, for each path asked about, True where it ran and the reason
+where it did not, for tests and bug reports.
 
 To run a path on another release, run its tests there (`tests/test_internals.py` and the tests
 each entry names) and widen `tested`.
@@ -80,6 +81,14 @@ def _output_capture_registry() -> str | None:
     return None
 
 
+def _dataloader_iterator() -> str | None:
+    from torch.utils.data import DataLoader
+
+    if "_iterator" not in vars(DataLoader([0])):
+        return "torch.utils.data.DataLoader has no `_iterator`"
+    return None
+
+
 FAST_PATHS: dict[str, FastPath] = {
     "sampling_loop": FastPath(
         library="transformers",
@@ -130,6 +139,15 @@ FAST_PATHS: dict[str, FastPath] = {
             "find no hidden states for its image features"
         ),
         probe=_output_capture_registry,
+    ),
+    "persistent_workers_end": FastPath(
+        library="torch",
+        tested=">=2.13,<2.14",
+        internals=(
+            "DataLoader._iterator, dropped at the end of train() so that its persistent workers end"
+        ),
+        fallback="the persistent workers end when the trainer is freed, as in transformers' Trainer",
+        probe=_dataloader_iterator,
     ),
 }
 

@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers.trainer_utils import seed_worker
 
+from . import internals
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,19 +113,11 @@ class EpochDataLoader(DataLoader):
         """Ends `dataloader_persistent_workers` now, at the end of `train()` (which builds a new
         loader each time). Otherwise they would live until the garbage collector frees the
         trainer, and torch's shutdown, after its queues went first, waits 5 s on each. Drops
-        the iterator torch caches for them (`DataLoader._iterator`, private, tested on torch
-        2.13), whose deletion ends them; without that attribute they end with the loader, as
-        in transformers' Trainer, and a warning says so."""
-        if not self.persistent_workers:
-            return
-        if "_iterator" not in self.__dict__:
-            logger.warning(
-                "torch %s's DataLoader has no `_iterator` (tested on 2.13): the persistent data "
-                "loader workers end when the trainer is freed, not at the end of train().",
-                torch.__version__,
-            )
-            return
-        self._iterator = None
+        the iterator torch caches for them, whose deletion ends them: the fast path
+        "persistent_workers_end" (`internals.py`), on torch's private `DataLoader._iterator`;
+        where it is off, they end with the loader, as in transformers' Trainer."""
+        if self.persistent_workers and internals.usable("persistent_workers_end"):
+            self._iterator = None
 
 
 def collate_rows(batch: list[dict]) -> list[dict]:
