@@ -485,7 +485,10 @@ def load_model_for_eval(base_model: str, adapter: str | None = None, **model_kwa
     if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter)
+        from .generation.engines import without_checkpointing_alias_warning
+
+        with without_checkpointing_alias_warning():  # PeftModel reads the deprecated alias
+            model = PeftModel.from_pretrained(model, adapter)
         if os.path.exists(os.path.join(adapter, "tokenizer_config.json")):
             tokenizer_source = adapter
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
