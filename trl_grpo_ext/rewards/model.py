@@ -188,9 +188,9 @@ def resolve_reward_models(reward_funcs: list, reward_processing_classes, args) -
         reward_processing_classes = [reward_processing_classes]
     if len(reward_processing_classes) != len(reward_funcs):
         raise ValueError(
-            f"reward_processing_classes has {len(reward_processing_classes)} entries but there are "
-            f"{len(reward_funcs)} reward functions; give one per reward function (None for "
-            "functions and for models whose own tokenizer should be loaded)."
+            f"The number of reward_processing_classes ({len(reward_processing_classes)}) must match "
+            f"the number of reward functions ({len(reward_funcs)}): give one per reward function "
+            "(None for functions and for models whose own tokenizer should be loaded)."
         )
     init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
     if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):

@@ -1,0 +1,134 @@
+"""TRL's GRPO tests expected to fail on our trainer: test id (`Class::test[params]`) -> (reason,
+strict). Strict entries are lasting (a TRL-private attribute, a Hub model or dataset without an
+offline stand-in): a test that starts passing is reported, so the list stays true. Entries not
+strict are differences being closed (issue #54's items): they may pass once the fix is merged,
+and are then removed from here. Measured at TRL's commit f2cd577 (docs/coming-from-trl.md)."""
+
+from __future__ import annotations
+
+T = "TestGRPOTrainer::"
+VLM = "TestGRPOTrainerVLM::"
+DISPATCH = "TestGRPORolloutDispatch::"
+
+
+def _private(what: str) -> tuple[str, bool]:
+    return f"reads or sets TRL's private internals: {what}", True
+
+
+def _no_stand_in(what: str) -> tuple[str, bool]:
+    return f"needs {what} from the Hub, which has no offline stand-in here", True
+
+
+def _pending(item: str) -> tuple[str, bool]:
+    return f"a difference being closed (issue #54, {item}); expected to pass once merged", False
+
+
+_ROLLOUT_DISPATCH = _private(
+    "builds the trainer with object.__new__, sets `tools`, `_tokenizer`, `vllm_generation`, "
+    "`_metrics` and calls `_generate`"
+)
+_EVAL_SETS = _pending("item 1: several evaluation sets")
+_EVAL_LOSS = _pending("item 2: eval_loss from evaluate()")
+_WORKERS = _pending("item 3: dataloader_num_workers")
+_LIGER = _pending("item 4: Liger")
+_QWEN_IDS = (
+    "patches `generate` to write Qwen3's token ids, outside the stand-in's 259-token vocabulary",
+    True,
+)
+_VLM_HUB = _no_stand_in("a VLM other than Llava and the `zen-image` dataset")
+
+EXPECTED: dict[str, tuple[str, bool]] = {
+    # TRL-private internals
+    DISPATCH + "test_generate_prefers_rollout_func": _ROLLOUT_DISPATCH,
+    DISPATCH + "test_generate_rollout_func_syncs_vllm_weights_when_needed": _ROLLOUT_DISPATCH,
+    DISPATCH
+    + "test_generate_rollout_func_raises_when_required_keys_are_missing": _ROLLOUT_DISPATCH,
+    T + "test_entropy_bonus_flows_gradients": _private(
+        "`_entropy_bonus_enabled` and `_get_per_token_logps_and_entropies`"
+    ),
+    T + "test_train_reward_func_with_log_extra": _private(
+        "`_logs` (ours: `reward_logs`, and the logged table)"
+    ),
+    T + "test_prepare_input_called_with_correct_data": _private(
+        "patches `training_step` and reads its inputs as TRL's raw rows (ours, as transformers' "
+        "Trainer, passes the tokenized batch); its prompts are the Hub zen dataset's own words"
+    ),
+    T + "test_train_with_multiple_environments": _private("`_env_tools`"),
+    # What the offline stand-ins cannot reproduce
+    # (the tool tests need jmespath, skipped without it; tests/test_trl_agents_ported.py ports
+    # them with a scripted engine in the stand-in's tokens)
+    T + "test_train_with_tools[tools0]": _QWEN_IDS,
+    T + "test_train_with_tools[tools1]": _QWEN_IDS,
+    T + "test_train_with_environment_factory": _QWEN_IDS,
+    T + "test_train_with_environment_owned_reward": _QWEN_IDS,
+    T + "test_train_with_environment_owned_data": _QWEN_IDS,
+    T + "test_train_with_malformed_tool_calls": _QWEN_IDS,
+    VLM + "test_train_with_tools_multimodal_response": _VLM_HUB,
+    T + "test_train[trl-internal-testing/tiny-NemotronHForCausalLM-nano]": _no_stand_in(
+        "NemotronH (hybrid Mamba)"
+    ),
+    T + "test_trust_remote_code": _no_stand_in("a model whose code lives on the Hub"),
+    T + "test_train_with_mask_truncated_completions": (
+        "mocks `generate` with Qwen2.5's token ids (151645), outside the stand-in's 259-token "
+        "vocabulary, and 3 rows per call",
+        True,
+    ),
+    T + "test_train_with_mask_truncated_completions_all_masked": (
+        "relies on Qwen2.5's 151k-token vocabulary making EOS unlikely; the stand-in's 259 "
+        "tokens sample it",
+        False,
+    ),
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Gemma3ForConditionalGeneration]": _VLM_HUB,
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Gemma4ForConditionalGeneration]": _VLM_HUB,
+    VLM + "test_train_vlm[trl-internal-testing/tiny-LlavaNextForConditionalGeneration]": _VLM_HUB,
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration]": _VLM_HUB,
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Qwen2VLForConditionalGeneration]": _VLM_HUB,
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Qwen3_5ForConditionalGeneration-NoThink]": (
+        _VLM_HUB
+    ),
+    VLM + "test_train_vlm[trl-internal-testing/tiny-Qwen3_5MoeForConditionalGeneration-3.6]": (
+        _VLM_HUB
+    ),
+    VLM + "test_train_vlm_with_pad_to_multiple_of": _VLM_HUB,
+    VLM
+    + "test_train_vlm_beta_non_zero[trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration]": _VLM_HUB,  # noqa: E501
+    VLM
+    + "test_train_vlm_peft[trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration]": _VLM_HUB,  # noqa: E501
+    VLM
+    + "test_train_vlm_and_importance_sampling[trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration]": _VLM_HUB,  # noqa: E501
+    VLM
+    + "test_train_vlm_multi_image[trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration]": _VLM_HUB,  # noqa: E501
+    VLM + "test_train_vlm_log_multimodal_false": _VLM_HUB,
+    # Differences being closed on other branches (issue #54)
+    T + "test_init_with_eval_dataset[dataset_dict]": _EVAL_SETS,
+    T + "test_init_with_eval_dataset[iterable_dataset_dict]": _EVAL_SETS,
+    T + "test_evaluate_with_eval_dataset[dataset]": _EVAL_LOSS,
+    T + "test_evaluate_with_eval_dataset[iterable_dataset]": _EVAL_LOSS,
+    T + "test_evaluate_with_eval_dataset[dataset_dict]": _EVAL_SETS,
+    T + "test_evaluate_with_eval_dataset[iterable_dataset_dict]": _EVAL_SETS,
+    T + "test_evaluate_with_eval_dataset[dict_of_dataset]": _EVAL_SETS,
+    T + "test_evaluate_with_eval_dataset[dict_of_iterable_dataset]": _EVAL_SETS,
+    T + "test_iterable_dataset_forces_num_workers_zero": _WORKERS,
+    T + "test_iterable_eval_keeps_map_style_train_workers": _WORKERS,
+    T + "test_liger_kernel_with_peft_lm_head_raises": _LIGER,
+    T + "test_liger_kernel_with_peft_non_lm_head_target_allowed": _LIGER,
+    T + "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": _LIGER,
+    T + "test_liger_kernel_with_peft_prompt_learning_raises": _LIGER,
+    T + "test_train_with_generation_kwargs": _pending("item 7: beam settings in generation_kwargs"),
+    # User-visible differences still open
+    T + "test_train_with_iterable_dataset": (
+        "open: TRL sets accelerator_config.dispatch_batches=False for an iterable train set; "
+        "ours leaves it None (Accelerate's default)",
+        True,
+    ),
+    T + "test_iterable_dataset_requires_dispatch_batches_false": (
+        "open: TRL refuses dispatch_batches=True with an iterable train set; ours asks for "
+        "max_steps first (the test sets none) and does not check dispatch_batches",
+        True,
+    ),
+    T + "test_dataset_required_without_environment": (
+        "a documented choice: ours builds without a train_dataset (to evaluate or score only) "
+        "and raises TRL's error at train()",
+        True,
+    ),
+}
