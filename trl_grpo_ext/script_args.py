@@ -79,8 +79,9 @@ class MathScriptArguments:
         default_factory=lambda: ["math_accuracy", "format"],
         metadata={
             "help": "Reward functions: registry names, TRL's names (accuracy_reward, "
-            "think_format_reward, get_soft_overlong_punishment), or dotted paths, found from the "
-            "working directory too (my_rewards.score for ./my_rewards.py)."
+            "think_format_reward, get_soft_overlong_punishment), judge (an LLM judge: the "
+            "judge_* arguments), or dotted paths, found from the working directory too "
+            "(my_rewards.score for ./my_rewards.py)."
         },
     )
     reward_model_name_or_path: str | None = field(
@@ -89,6 +90,43 @@ class MathScriptArguments:
             "help": "A reward model (Hub id or local folder), scored before the reward "
             "functions, as in `trl grpo`."
         },
+    )
+    # The LLM judge of `reward_funcs: [judge]` (`trl_grpo_ext.rewards.judge_reward`).
+    judge_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "The judge server's OpenAI-compatible API root, e.g. "
+            "http://127.0.0.1:8000/v1 for `vllm serve`; checked before training."
+        },
+    )
+    judge_model: str | None = field(
+        default=None, metadata={"help": "The judge model's name on that server."}
+    )
+    judge_rubric: str | None = field(
+        default=None, metadata={"help": "What makes a response good, in words, for the judge."}
+    )
+    judge_mode: str = field(
+        default="pointwise",
+        metadata={"help": "pointwise (a score per completion) or group (one request per group)."},
+    )
+    judge_cache_dir: str | None = field(
+        default=None, metadata={"help": "A folder where judgments are kept and reused."}
+    )
+    judge_max_concurrency: int = field(default=8, metadata={"help": "Most requests at once."})
+    judge_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds per request; a slower one is a failure (None)."}
+    )
+    judge_max_tokens: int = field(default=512, metadata={"help": "Most tokens of a judgment."})
+    judge_extra_body: str | None = field(
+        default=None,
+        metadata={
+            "help": "More fields of each request, as a JSON object, e.g. vLLM's "
+            '{"structured_outputs": {"regex": "Score: (10|[0-9])"}}.'
+        },
+    )
+    judge_api_key: str | None = field(
+        default=None,
+        metadata={"help": "The judge server's key; defaults to the JUDGE_API_KEY variable."},
     )
     ignore_bias_buffers: bool = field(
         default=False,
@@ -237,15 +275,63 @@ TRL_REWARD_NAMES = {
 
 def load_rewards(script_args) -> list:
     """The run's rewards: `reward_model_name_or_path` first (the trainer loads it), then each of
-    `reward_funcs` by registry name, TRL's name or dotted path."""
+    `reward_funcs` by registry name, TRL's name or dotted path; `judge` from the `judge_*`
+    arguments (`judge_from_arguments`)."""
     from .rewards import get_reward
 
     rewards = (
         [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     )
     return rewards + [
-        get_reward(TRL_REWARD_NAMES.get(name, name)) for name in script_args.reward_funcs
+        judge_from_arguments(script_args)
+        if name == "judge"
+        else get_reward(TRL_REWARD_NAMES.get(name, name))
+        for name in script_args.reward_funcs
     ]
+
+
+def judge_from_arguments(script_args):
+    """The reward `judge` of `reward_funcs`, from the `judge_*` arguments, its server checked
+    (`JudgeReward.check_server`): an unreachable one stops the run before evaluation and
+    training start."""
+    from .rewards import get_reward
+
+    missing = [
+        f"judge_{name}"
+        for name in ("base_url", "model", "rubric")
+        if not getattr(script_args, f"judge_{name}")
+    ]
+    if missing:
+        raise ValueError(
+            f"reward_funcs names `judge`, which needs {', '.join(missing)}: e.g. "
+            "judge_base_url: http://127.0.0.1:8000/v1, judge_model: <the name the server gives "
+            "it>, judge_rubric: <what makes a response good>."
+        )
+    extra_body = None
+    if script_args.judge_extra_body:
+        try:
+            extra_body = json.loads(script_args.judge_extra_body)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"judge_extra_body must be a JSON object; reading it failed: {error}"
+            ) from None
+        if not isinstance(extra_body, dict):
+            raise ValueError(f"judge_extra_body must be a JSON object, got {extra_body!r}.")
+    judge = get_reward(
+        "judge",
+        base_url=script_args.judge_base_url,
+        model=script_args.judge_model,
+        rubric=script_args.judge_rubric,
+        mode=script_args.judge_mode,
+        cache_dir=script_args.judge_cache_dir,
+        max_concurrency=script_args.judge_max_concurrency,
+        timeout=script_args.judge_timeout,
+        max_tokens=script_args.judge_max_tokens,
+        extra_body=extra_body,
+        api_key=script_args.judge_api_key or os.environ.get("JUDGE_API_KEY"),
+    )
+    judge.check_server()
+    return judge
 
 
 def check_dataset_arguments(script_args, dataset_args=None) -> None:

@@ -5,8 +5,8 @@ A reward function is a plain callable, called with keyword arguments only,
 returning one `float` (or `None`: not applicable) per completion; its `__name__` is the metric
 name. So these rewards work in `trl.GRPOTrainer`, and TRL's and open-r1's work here.
 
-Built-ins (registered names): `math_accuracy`, `format`, `tag_count`, `overlong_penalty`, `length`;
-`judge_reward(...)` builds an LLM judge's reward function (`rewards/judge.py`).
+Built-ins (registered names): `math_accuracy`, `format`, `tag_count`, `overlong_penalty`, `length`,
+and `judge`, the factory `judge_reward(...)` of an LLM judge's reward function (`rewards/judge.py`).
 See docs/rewards.md.
 """
 

@@ -24,6 +24,9 @@ With `cache_dir`, every successful judgment is stored on disk, one small JSON fi
 SHA-256 of (judge model, rubric, mode, prompt, completion): a resumed or repeated run asks again
 for nothing it was told before. A group is sent again only when one of its completions is new;
 failures are not cached.
+
+`check_server()` asks `GET {base_url}/models` once, so that a run can stop before training when
+the judge cannot be reached (the recipe does, for `reward_funcs: [judge]`: docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ._convention import completion_text
+from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +220,46 @@ class JudgeReward:
         self._log(outcomes, rewards, log_metric)
         return rewards
 
+    def check_server(self) -> None:
+        """Asks `GET {base_url}/models` once, before any judgment: the server answers, accepts
+        the key and, where it lists its models (vLLM, OpenAI), serves `model`. A server that
+        answers with another status (a provider without that endpoint) passes.
+
+        Raises:
+            `ConnectionError`: when nothing answers at the URL's host and port in `timeout`.
+            `ValueError`: when the server refuses the key (401, 403) or does not serve `model`.
+        """
+        import httpx
+
+        base_url = self.url[: -len("/chat/completions")]
+        address = httpx.URL(base_url)
+        port = address.port or (443 if address.scheme == "https" else 80)
+        try:
+            response = self._client.get(base_url + "/models", timeout=min(self.timeout, 10.0))
+        except httpx.HTTPError as error:
+            raise ConnectionError(
+                f"The judge server at {address.host}:{port} ({base_url}) cannot be reached "
+                f"({type(error).__name__}: {error}). Start it (e.g. `vllm serve <model folder> "
+                f"--port {port}`) or point the judge's base_url at a running one."
+            ) from None
+        if response.status_code in (401, 403):
+            raise ValueError(
+                f"The judge server at {address.host}:{port} refused the request to "
+                f"{base_url}/models (HTTP {response.status_code}): give its API key."
+            )
+        if response.status_code != 200:
+            return
+        try:
+            served = [entry["id"] for entry in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            return
+        if self.model not in served:
+            raise ValueError(
+                f"The judge server at {address.host}:{port} does not serve the model "
+                f"{self.model!r}; it serves {served}. Give one of these as the judge's model "
+                "(vLLM names a model by its --served-model-name, else by its path)."
+            )
+
     def close(self) -> None:
         """Closes the HTTP connections."""
         self._client.close()
@@ -350,6 +394,7 @@ def _groups(prompts: list[str]) -> list[list[int]]:
     return groups
 
 
+@register_reward("judge", factory=True)
 def judge_reward(
     *,
     base_url: str,
