@@ -89,7 +89,7 @@ def test_scores_are_the_first_logit_on_prompt_plus_completion(tmp_path, tiny_mod
     tokenizer = build_tiny_tokenizer()  # left padding: the reward model pads right anyway
     reward_model = tiny_reward_model(tokenizer)
     trainer = GroupRelativeTrainer(
-        tiny_model_dir, [reward_model, odd_first_byte], args=config(tmp_path),
+        tiny_model_dir, [reward_model, odd_first_byte], args=config(tmp_path), train_dataset=digit_sums(),
         reward_processing_classes=[tokenizer, None],
     )  # fmt: skip
     reward = trainer.reward_funcs[0]
@@ -109,7 +109,9 @@ def test_scores_are_the_first_logit_on_prompt_plus_completion(tmp_path, tiny_mod
 def test_a_hand_built_reward_model_scores_the_last_character(tiny_model_dir, tmp_path):
     tokenizer = build_tiny_tokenizer()
     folder = save_reward_model(odd_last_character_model(tokenizer), tokenizer, tmp_path / "rm")
-    trainer = GroupRelativeTrainer(tiny_model_dir, folder, args=config(tmp_path))
+    trainer = GroupRelativeTrainer(
+        tiny_model_dir, folder, args=config(tmp_path), train_dataset=digit_sums()
+    )
     completions = ["a", "ab", "no", "yes!", "x" * 9 + "y"]  # a, b, o, !, y: 97, 98, 111, 33, 121
     scores = trainer.reward_funcs[0](prompts=["q"] * 5, completions=completions)
     assert scores == pytest.approx([1, -1, 1, 1, 1], abs=1e-5)
@@ -122,7 +124,11 @@ def test_conversational_prompts_are_scored_through_the_reward_models_chat_templa
     tokenizer = build_tiny_tokenizer()
     reward_model = tiny_reward_model(tokenizer)
     trainer = GroupRelativeTrainer(
-        tiny_model_dir, reward_model, args=config(tmp_path), reward_processing_classes=tokenizer
+        tiny_model_dir,
+        reward_model,
+        args=config(tmp_path),
+        train_dataset=digit_sums(),
+        reward_processing_classes=tokenizer,
     )
     prompts = [[{"role": "user", "content": "2+2="}], [{"role": "user", "content": "1+1="}]]
     completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "2"}]]
@@ -148,7 +154,9 @@ def test_scores_equal_trl_grpo_trainers(tmp_path, tiny_model_dir):
         ),
         train_dataset=digit_sums(),
     )  # fmt: skip
-    ours = GroupRelativeTrainer(tiny_model_dir, folder, args=config(tmp_path / "ours"))
+    ours = GroupRelativeTrainer(
+        tiny_model_dir, folder, args=config(tmp_path / "ours"), train_dataset=digit_sums()
+    )
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     replies = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
     for prompts, completions in ((PROMPTS, COMPLETIONS), (chats, replies)):
@@ -168,7 +176,7 @@ def test_registry_names_still_resolve_next_to_a_reward_model_folder(tmp_path, ti
     folder = save_reward_model(tiny_reward_model(tokenizer), tokenizer, tmp_path / "my-rm")
     trainer = GroupRelativeTrainer(
         tiny_model_dir, ["format", folder, "trl_grpo_ext.rewards.length:length_reward"],
-        args=config(tmp_path),
+        args=config(tmp_path), train_dataset=digit_sums(),
     )  # fmt: skip
     assert trainer.reward_names == ["format", "my-rm", "length_reward"]
     assert [type(f) is RewardModel for f in trainer.reward_funcs] == [False, True, False]
@@ -179,10 +187,12 @@ def test_registry_names_still_resolve_next_to_a_reward_model_folder(tmp_path, ti
 
 def test_a_relative_folder_without_a_slash_is_a_reward_model(tmp_path, tiny_model_dir, monkeypatch):
     tokenizer = build_tiny_tokenizer()
-    save_reward_model(tiny_reward_model(tokenizer), tokenizer, tmp_path / "judge")
+    save_reward_model(tiny_reward_model(tokenizer), tokenizer, tmp_path / "my_judge")
     monkeypatch.chdir(tmp_path)
-    trainer = GroupRelativeTrainer(tiny_model_dir, "judge", args=config(tmp_path))
-    assert trainer.reward_names == ["judge"]
+    trainer = GroupRelativeTrainer(
+        tiny_model_dir, "my_judge", args=config(tmp_path), train_dataset=digit_sums()
+    )
+    assert trainer.reward_names == ["my_judge"]
 
 
 def test_a_model_id_that_is_neither_a_folder_nor_on_the_hub_is_a_clear_error(
@@ -190,10 +200,17 @@ def test_a_model_id_that_is_neither_a_folder_nor_on_the_hub_is_a_clear_error(
 ):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     with pytest.raises(ValueError, match="not a registered reward and no reward model") as error:
-        GroupRelativeTrainer(tiny_model_dir, "nobody/no-such-reward-model", args=config(tmp_path))
+        GroupRelativeTrainer(
+            tiny_model_dir,
+            "nobody/no-such-reward-model",
+            args=config(tmp_path),
+            train_dataset=digit_sums(),
+        )
     assert "list_rewards" in str(error.value)
     with pytest.raises(ValueError, match="unknown reward 'no_such_reward'.*Hub id"):
-        GroupRelativeTrainer(tiny_model_dir, "no_such_reward", args=config(tmp_path))
+        GroupRelativeTrainer(
+            tiny_model_dir, "no_such_reward", args=config(tmp_path), train_dataset=digit_sums()
+        )
 
 
 def test_reward_processing_classes_must_match_the_reward_functions(tmp_path, tiny_model_dir):
@@ -202,12 +219,17 @@ def test_reward_processing_classes_must_match_the_reward_functions(tmp_path, tin
     match = r"reward_processing_classes \(1\) must match the number of reward functions \(2\)"
     with pytest.raises(ValueError, match=match):
         GroupRelativeTrainer(
-            tiny_model_dir, [tiny_reward_model(tokenizer), odd_first_byte], args=config(tmp_path),
+            tiny_model_dir, [tiny_reward_model(tokenizer), odd_first_byte], args=config(tmp_path), train_dataset=digit_sums(),
             reward_processing_classes=tokenizer,
         )  # fmt: skip
     # A model built in code has no folder to load a tokenizer from.
     with pytest.raises(ValueError, match="pass it as reward_processing_classes"):
-        GroupRelativeTrainer(tiny_model_dir, tiny_reward_model(tokenizer), args=config(tmp_path))
+        GroupRelativeTrainer(
+            tiny_model_dir,
+            tiny_reward_model(tokenizer),
+            args=config(tmp_path),
+            train_dataset=digit_sums(),
+        )
 
 
 def test_a_tokenizer_without_pad_token_gets_its_eos(tmp_path, tiny_model_dir):
@@ -215,7 +237,11 @@ def test_a_tokenizer_without_pad_token_gets_its_eos(tmp_path, tiny_model_dir):
     tokenizer.pad_token = None
     reward_model = tiny_reward_model(tokenizer, pad_token_id=0)
     trainer = GroupRelativeTrainer(
-        tiny_model_dir, reward_model, args=config(tmp_path), reward_processing_classes=tokenizer
+        tiny_model_dir,
+        reward_model,
+        args=config(tmp_path),
+        train_dataset=digit_sums(),
+        reward_processing_classes=tokenizer,
     )
     assert tokenizer.pad_token == tokenizer.eos_token
     assert reward_model.config.pad_token_id == tokenizer.eos_token_id

@@ -659,13 +659,9 @@ def test_no_reward_source_raises(tmp_path):
 
 
 def test_dataset_required_without_environment(tmp_path):
-    """TRL: TestGRPOTrainer.test_dataset_required_without_environment. TRL raises in the
-    constructor; ours raises in `train()`, with TRL's message: like `transformers.Trainer`, ours
-    may be built without a dataset to evaluate or to score only (tests/test_reward_models.py
-    builds trainers so), a deliberate difference."""
-    trainer = trainer_with(tmp_path, args=config(tmp_path, max_steps=1))
+    """TRL: TestGRPOTrainer.test_dataset_required_without_environment. Construction fails."""
     with pytest.raises(ValueError, match="`train_dataset` is required"):
-        trainer.train()
+        trainer_with(tmp_path, args=config(tmp_path, max_steps=1))
 
 
 def test_environment_owned_data_requires_max_steps(tmp_path):

@@ -187,22 +187,19 @@ def message(record) -> str:
 
 
 @matches_trl
-def test_no_train_dataset_nor_environment_is_said_at_construction(tmp_path, caplog):
-    """TRL refuses it; here the trainer can still evaluate, so it is a warning that names
-    what TRL does, and train() is the error."""
+def test_no_train_dataset_nor_environment_is_refused_at_construction(tmp_path):
+    """As TRL refuses it, with the same words."""
     model, tokenizer = tiny_model_and_tokenizer()
-    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_"):
+    expected = "`train_dataset` is required unless an `environment_factory` is provided"
+    with pytest.raises(ValueError, match=expected):
         trl_trainer(tmp_path, model, none_for_even_rows, None, report_to=[])
-    with caplog.at_level(logging.WARNING):
-        ours = GroupRelativeTrainer(
+    with pytest.raises(ValueError, match=expected):
+        GroupRelativeTrainer(
             model=model,
             reward_funcs=none_for_even_rows,
             args=GroupRelativeConfig(str(tmp_path / "ours"), report_to="none"),
             processing_class=tokenizer,
         )
-    assert any("`train_dataset` is required" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="pass train_dataset"):
-        ours.train()
 
 
 def half_precision_model(folder, tied: bool) -> str:

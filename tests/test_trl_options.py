@@ -197,6 +197,31 @@ def test_a_streamed_train_set_is_read_without_workers_as_trl(tmp_path, caplog):
         assert trainer.get_train_dataloader().num_workers == 0
 
 
+@matches_trl
+@pytest.mark.parametrize("where", ["train", "eval", "eval set of a dict"])
+def test_a_stream_sets_dispatch_batches_false_and_refuses_true_as_trl(tmp_path, where):
+    """Each process reads a stream and takes its own slice: TRL sets accelerate's
+    `dispatch_batches` to False for it, and refuses True, with the same words here."""
+    stream = streamed(digit_sums())
+    kinds = {
+        "train": dict(train_dataset=stream),
+        "eval": dict(eval_dataset=stream),
+        "eval set of a dict": dict(eval_dataset={"plain": digit_sums(), "streamed": stream}),
+    }[where]
+    ours_kinds = {("dataset" if k == "train_dataset" else k): v for k, v in kinds.items()}
+    theirs = trl_trainer(tmp_path, **kinds)
+    ours = make_trainer(tmp_path / "ours", **ours_kinds, **TINY)
+    for trainer in (theirs, ours):
+        assert trainer.args.accelerator_config.dispatch_batches is False
+    refused = "Iterable datasets require `dispatch_batches=False`"
+    with pytest.raises(ValueError, match=refused):
+        trl_trainer(tmp_path, **kinds, accelerator_config={"dispatch_batches": True})
+    with pytest.raises(ValueError, match=refused):
+        make_trainer(
+            tmp_path / "ours", **ours_kinds, **TINY, accelerator_config={"dispatch_batches": True}
+        )
+
+
 def trained_batches(tmp_path, **workers) -> list[list[int]]:
     """The rows of each generation batch of a run over an epoch boundary, two generation
     batches an epoch, each reused over two micro-batches."""

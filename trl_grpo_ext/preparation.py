@@ -128,12 +128,22 @@ def check_images(
             raise ValueError(f"{split}: {unsupported}")
 
 
-def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -> None:
-    """The warnings `trl.GRPOTrainer` gives at construction: sequence-level importance
-    sampling with a loss type that sums per-token terms; a streamed train dataset with data
-    loader workers, which are set to 0 as TRL sets them (`sampler.train_dataloader`); and,
-    where TRL raises, a trainer with neither a train dataset nor an environment (here it can
-    still `evaluate()`)."""
+def streams(dataset) -> bool:
+    """Whether `dataset` (a dataset, or a dict of evaluation sets) is or holds a stream."""
+    if isinstance(dataset, dict):
+        return any(streams(one) for one in dataset.values())
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def check_as_trl(
+    args: GroupRelativeConfig, train_dataset, environment_factory, eval_dataset=None
+) -> None:
+    """What `trl.GRPOTrainer` says and sets at construction: a warning for sequence-level
+    importance sampling with a loss type that sums per-token terms; a streamed dataset sets
+    `accelerator_config.dispatch_batches` to False (each process reads the stream and takes its
+    own slice, `sampler.StreamBatches`) and refuses True; a streamed train dataset with data
+    loader workers sets them to 0, with a warning; neither a train dataset nor an environment
+    is an error."""
     level, loss_type = args.importance_sampling_level, args.loss_type
     if level == "sequence" and loss_type in TOKEN_SUMMED_LOSS_TYPES:
         logger.warning(
@@ -142,6 +152,13 @@ def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -
             "length instead of optimizing the per-sequence objective. To reproduce the GSPO "
             "paper's setup, set `loss_type='grpo'`."
         )
+    if streams(train_dataset) or streams(eval_dataset):
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError(
+                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                "`accelerator_config`. Please set it to `False`."
+            )
+        args.accelerator_config.dispatch_batches = False
     if isinstance(train_dataset, datasets.IterableDataset) and args.dataloader_num_workers:
         logger.warning(
             "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
@@ -149,10 +166,9 @@ def warn_as_trl(args: GroupRelativeConfig, train_dataset, environment_factory) -
         )
         args.dataloader_num_workers = 0
     if train_dataset is None and environment_factory is None:
-        logger.warning(
-            "No train_dataset and no environment_factory: this trainer can evaluate() and "
-            "score, but train() will fail (trl.GRPOTrainer refuses it here: `train_dataset` is "
-            "required unless an `environment_factory` is provided). Pass train_dataset to train."
+        raise ValueError(
+            "`train_dataset` is required unless an `environment_factory` is provided (whose "
+            "reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
         )
 
 

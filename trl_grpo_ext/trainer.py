@@ -159,7 +159,7 @@ class GroupRelativeTrainer(
         environment_factory=None,
     ):
         args = preparation.trainer_config(model, args)
-        preparation.warn_as_trl(args, train_dataset, environment_factory)
+        preparation.check_as_trl(args, train_dataset, environment_factory, eval_dataset)
         prepare_liger_kernel(args)  # TRL's checks; Liger's kernels need a GPU
         set_seed(args.seed)  # adapters and heads initialised below are reproducible
         model, processing_class = load_policy(model, args, processing_class, quantization_config)
@@ -230,11 +230,6 @@ class GroupRelativeTrainer(
     # ------------------------------------------------------------------ data
 
     def get_train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:  # a trainer built to evaluate or score only
-            raise ValueError(
-                "`train_dataset` is required to train unless an `environment_factory` is provided "
-                "(whose reset() supplies the prompts): pass train_dataset to GroupRelativeTrainer."
-            )
         self._train_loader = train_dataloader(self.train_dataset, self.args)
         return self._train_loader
 

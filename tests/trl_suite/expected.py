@@ -115,20 +115,4 @@ EXPECTED: dict[str, tuple[str, bool]] = {
     T + "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": _LIGER,
     T + "test_liger_kernel_with_peft_prompt_learning_raises": _LIGER,
     T + "test_train_with_generation_kwargs": _pending("item 7: beam settings in generation_kwargs"),
-    # User-visible differences still open
-    T + "test_train_with_iterable_dataset": (
-        "open: TRL sets accelerator_config.dispatch_batches=False for an iterable train set; "
-        "ours leaves it None (Accelerate's default)",
-        True,
-    ),
-    T + "test_iterable_dataset_requires_dispatch_batches_false": (
-        "open: TRL refuses dispatch_batches=True with an iterable train set; ours asks for "
-        "max_steps first (the test sets none) and does not check dispatch_batches",
-        True,
-    ),
-    T + "test_dataset_required_without_environment": (
-        "a documented choice: ours builds without a train_dataset (to evaluate or score only) "
-        "and raises TRL's error at train()",
-        True,
-    ),
 }
