@@ -179,6 +179,7 @@ def test_a_map_style_train_set_keeps_its_workers_beside_an_iterable_eval_set_as_
     ours = make_trainer(tmp_path / "ours", eval_dataset=eval_dataset, **{**TINY, **WORKERS})
     for trainer in (theirs, ours):
         assert trainer.get_train_dataloader().num_workers == 2
+        assert trainer.get_eval_dataloader().num_workers == 0  # the stream's, for this loader
         assert trainer.args.dataloader_num_workers == 2
 
 

@@ -1,10 +1,12 @@
 """TRL's public helpers of `GRPOTrainer` that subclasses call or override, with TRL's names
 and signatures: `reward_func_names`, `entropy_coef`, `get_high_entropy_mask` and the static
-`get_off_policy_mask`. `GroupRelativeTrainer`'s loss calls the two masks through these methods,
+`get_off_policy_mask`, and `get_eval_dataloader` without workers for a streamed set.
+`GroupRelativeTrainer`'s loss calls the two masks through these methods,
 so a subclass's override changes the loss, as in TRL."""
 
 from __future__ import annotations
 
+import datasets
 import torch
 
 from .metrics import pooled_entropies
@@ -49,3 +51,18 @@ class TrlHelpersMixin:
         return off_policy_mask(
             advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
         )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """transformers' evaluation loader (evaluate() reads the rows itself), with TRL's rule:
+        a streamed set is read without workers, which would each read the stream; the
+        `dataloader_num_workers` of `args` stays as given."""
+        chosen = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(chosen, str):
+            chosen = self.eval_dataset[chosen]
+        if not isinstance(chosen, datasets.IterableDataset):
+            return super().get_eval_dataloader(eval_dataset)
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.args.dataloader_num_workers = workers
