@@ -47,7 +47,9 @@ from trl_grpo_ext.memory_plan import recipe_memory_plan
 from trl_grpo_ext.script_args import (
     apply_tool_format,
     check_dataset_arguments,
+    environment_accuracy,
     load_chat_template,
+    load_environment,
     load_messages,
     load_rewards,
     load_tools,
@@ -62,8 +64,11 @@ def main(script_args, training_args, model_args, dataset_args=None):
     # Seed; pushes happen once at the end, adapter-only (never checkpoint pushes mid-run).
     push_to_hub, hub_token = start_run(script_args, training_args)  # the token stays in here
 
-    # Data: training problems, and held-out problems for evaluation.
+    # Data: training problems, and held-out problems for evaluation; an environment
+    # (--environment) brings its own, with its rewards, which then score the evaluation.
     check_dataset_arguments(script_args, dataset_args)
+    environment = load_environment(script_args, training_args) or {}
+    accuracy = environment_accuracy(environment)  # None: math_accuracy scores the evaluation
     data_kwargs = dict(
         config=script_args.dataset_config,
         question_column=script_args.dataset_question_column,
@@ -73,7 +78,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
         difficulty=script_args.synthetic_difficulty,
         validation_percent=script_args.synthetic_validation_percent,
     )
-    train_dataset = load_math_dataset(
+    train_dataset = environment.pop("train_dataset", None) or load_math_dataset(
         script_args.dataset_name,
         script_args.dataset_train_split,
         num_rows=script_args.num_train_samples,
@@ -82,7 +87,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
     eval_name = script_args.eval_dataset_name or (
         "math500" if script_args.dataset_name == "math" else script_args.dataset_name
     )
-    eval_dataset = load_math_dataset(
+    eval_dataset = environment.pop("eval_dataset", None) or load_math_dataset(
         eval_name,
         script_args.dataset_test_split,
         num_rows=script_args.num_eval_samples,
@@ -123,7 +128,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
     )
 
     # Rewards (a reward model first, if any), and the trainer with LoRA from the model arguments.
-    reward_funcs = load_rewards(script_args)
+    reward_funcs = load_rewards(script_args, environment.pop("reward_funcs", None))
     format_reward = next((f for f in reward_funcs if getattr(f, "__name__", "") == "format"), None)
     eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
     # The metrics log: a resumed run keeps the records up to its checkpoint; a new run in a
@@ -148,6 +153,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
         trainer=lambda: trainer,
         save_model=lambda folder: trainer.save_model(folder),
         skip_last_step=True,  # the final evaluation below scores the same weights
+        accuracy=accuracy,
     )
     trainer = GroupRelativeTrainer(
         model=model,
@@ -158,6 +164,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsJsonlCallback(metrics_path), periodic],
         tools=tools or None,
+        **environment,  # what else the environment gives: environment_factory, rollout_func
     )
     trainer.base_model_id = script_args.base_model  # the Hub id a pushed adapter names
 
@@ -166,6 +173,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
         max_new_tokens=eval_tokens,
         format_reward=format_reward,
         batch_size=script_args.eval_batch_size,
+        accuracy=accuracy,
     )
     # Every process evaluates a shard and records (the main process writes, all may save).
     is_main = trainer.accelerator.is_main_process
@@ -192,7 +200,8 @@ def main(script_args, training_args, model_args, dataset_args=None):
         with open(os.path.join(training_args.output_dir, "before_after.md"), "w") as handle:
             handle.write(table + "\n")
     train_name, test_name = (
-        dataset_hub_id(name) or name for name in (script_args.dataset_name, eval_name)
+        script_args.environment or dataset_hub_id(name) or name
+        for name in (script_args.dataset_name, eval_name)
     )
     about_data = (
         f"Base model `{model_args.model_name_or_path}`; trained on `{train_name}` "
@@ -209,6 +218,8 @@ def main(script_args, training_args, model_args, dataset_args=None):
             "Base model and data": about_data,
         }
     hub_datasets = {dataset_hub_id(script_args.dataset_name), dataset_hub_id(eval_name)} - {None}
+    if script_args.environment:  # its data came from the environment, not dataset_name
+        hub_datasets = set()
     trainer.model_card_datasets = sorted(hub_datasets)
     trainer.create_model_card()
 

@@ -363,9 +363,13 @@ def test_registry_names_and_metric_names():
     assert {"math_accuracy", "format", "tag_count", "overlong_penalty", "length"} <= set(
         list_rewards()
     )
-    for name in ("math_accuracy", "format", "tag_count", "length"):
+    for name in ("math_accuracy", "format", "tag_count", "length", "answer_tags"):
         assert get_reward(name).__name__ == name
     assert get_reward(math_accuracy) is math_accuracy
+    # answer_tags on conversational completions: the last message's text.
+    assert get_reward("answer_tags")(
+        completions=[[{"role": "assistant", "content": "3 + 4 = 7\n<answer>7</answer>\n"}]]
+    ) == [1.0]
 
 
 def test_registry_factories_kwargs_and_dict_spec():

@@ -51,8 +51,10 @@ Every flag of `trl grpo` is taken: GRPOConfig's fields (through GroupRelativeCon
 its own), ModelConfig's (--model_name_or_path, --use_peft, --lora_r, ...), the dataset arguments
 (--dataset_name, --dataset_config, --dataset_train_split, ...) and --reward_funcs (this package's
 rewards, TRL's names, or dotted paths, found from the working directory too). Ours: --tools,
---tool_format, the recipe's evaluation flags, and --config NAME for a preset of recipes/configs
-({presets}). --config FILE.yaml sets defaults; flags on the command line override it.
+--tool_format, --environment (reasoning_gym:TASK, or a dotted path to a function returning the
+trainer's keyword arguments, in place of --dataset_name), the recipe's evaluation flags, and
+--config NAME for a preset of recipes/configs ({presets}). --config FILE.yaml sets defaults;
+flags on the command line override it.
 """
 
 PLAN_HELP = """\

@@ -110,14 +110,24 @@ def score_completions(
     answers: list[str],
     format_reward: Callable | None = None,
     truncated: list[bool] | None = None,
+    accuracy: Callable | None = None,
+    columns: dict[str, list] | None = None,
 ) -> tuple[list[float], list[float]]:
     """`(strict, lenient)` scores, 0.0 or 1.0, one per completion (a string, or the messages of
     a multi-turn one, whose last message holds the answer); `truncated` marks completions cut at
-    the token cap (never strict)."""
-    lenient = [
-        float(score or 0.0) for score in math_accuracy(completions=completions, answer=answers)
-    ]
-    formatted = [has_boxed_final_answer(completion_text(c)) for c in completions]
+    the token cap (never strict). `accuracy`, when given, scores in place of `math_accuracy` and
+    its boxed-answer check: a reward function in TRL's convention (e.g. an environment's), called
+    with the completions, `answer` and the dataset's other `columns`; its value (None as 0) is
+    the lenient score."""
+    if accuracy is not None:
+        scores = accuracy(completions=completions, answer=answers, **(columns or {}))
+        lenient = [float(score or 0.0) for score in scores]
+        formatted = [True] * len(completions)
+    else:
+        lenient = [
+            float(score or 0.0) for score in math_accuracy(completions=completions, answer=answers)
+        ]
+        formatted = [has_boxed_final_answer(completion_text(c)) for c in completions]
     if truncated is not None:
         formatted = [ok and not cut for ok, cut in zip(formatted, truncated)]
     if format_reward is not None:
@@ -221,12 +231,20 @@ def problem_scores(
     chat_template_kwargs: dict | None = None,
     engine=None,
     trainer=None,
+    accuracy: Callable | None = None,
 ) -> list[dict]:
     """Per-problem results: greedy strict/lenient scores and completion, number of right samples
     (strict, lenient), completion token counts and truncations, and with a `trainer` that has
     tools (see `generate`) the greedy completion's tool calls and failed calls. `summarize` turns them into
-    an `EvalReport`; keeping them per problem lets processes evaluate shards and merge."""
+    an `EvalReport`; keeping them per problem lets processes evaluate shards and merge.
+    `accuracy` scores in place of `math_accuracy` (see `score_completions`), given the
+    dataset's columns."""
     prompts, answers = list(dataset["prompt"]), [str(a) for a in dataset["answer"]]
+    columns = {  # the accuracy function's keyword arguments besides completions and answer
+        ("prompts" if name == "prompt" else name): list(dataset[name])
+        for name in (dataset.column_names if accuracy is not None else [])
+        if name != "answer"
+    }
     with_tools = trainer is not None and trainer.rollouts.tool_loop is not None
     sampling = dict(
         batch_size=batch_size,
@@ -249,7 +267,12 @@ def problem_scores(
         )
         completions = [group[0] for group in outputs]
         strict, lenient = score_completions(
-            completions, answers, format_reward, [group[0] for group in cut]
+            completions,
+            answers,
+            format_reward,
+            [group[0] for group in cut],
+            accuracy,
+            columns,
         )
         for i, record in enumerate(records):
             record.update(completion=completions[i], strict=strict[i], lenient=lenient[i])
@@ -275,6 +298,11 @@ def problem_scores(
             [a for a in answers for _ in range(num_samples)],
             format_reward,
             [flag for group in cut for flag in group],
+            accuracy,
+            {
+                name: [value for value in values for _ in range(num_samples)]
+                for name, values in columns.items()
+            },
         )
         for i, record in enumerate(records):
             group = slice(i * num_samples, (i + 1) * num_samples)
@@ -349,6 +377,7 @@ def evaluate_math(
     num_examples: int = 3,
     chat_template_kwargs: dict | None = None,
     engine=None,
+    accuracy: Callable | None = None,
 ) -> EvalReport:
     """Greedy pass@1 and/or sampled pass@k of `model` on `dataset` (`prompt` and `answer`).
 
@@ -364,6 +393,9 @@ def evaluate_math(
             `{"enable_thinking": False}`), so prompts are rendered the same way.
         engine (*optional*): samples the completions (`generation.engines`); by default
             `model`'s own `generate`.
+        accuracy (callable, *optional*): a reward function in TRL's convention that scores in
+            place of `math_accuracy`, given the dataset's columns (e.g. an environment's reward:
+            reasoning-gym's `score_answer`); see `score_completions`.
     """
     if num_samples and max(k_values) > num_samples:
         raise ValueError(f"pass@k needs k <= num_samples; got k={k_values}, n={num_samples}.")
@@ -380,6 +412,7 @@ def evaluate_math(
         format_reward=format_reward,
         chat_template_kwargs=chat_template_kwargs,
         engine=engine,
+        accuracy=accuracy,
     )
     return summarize(
         records,
@@ -517,7 +550,8 @@ class PeriodicEvalCallback(TrainerCallback):
     called on every process (the trainer's `save_model`, which gathers sharded weights); else
     the main process calls the model's `save_pretrained`. `skip_last_step` leaves out the
     evaluation at the run's last step, for a caller that evaluates (and `record`s) the final
-    weights after training anyway, as the recipe does.
+    weights after training anyway, as the recipe does. `accuracy` scores in place of
+    `math_accuracy` (see `score_completions`).
     """
 
     def __init__(
@@ -534,12 +568,14 @@ class PeriodicEvalCallback(TrainerCallback):
         trainer: Callable | None = None,
         save_model: Callable[[str], None] | None = None,
         skip_last_step: bool = False,
+        accuracy: Callable | None = None,
     ):
         self.tokenizer, self.dataset, self.trainer = tokenizer, dataset, trainer
         self.save_model, self.skip_last_step = save_model, skip_last_step
         self.eval_every, self.max_new_tokens = eval_every, max_new_tokens
         self.metrics_path, self.best_dir = metrics_path, best_dir
         self.format_reward, self.batch_size = format_reward, batch_size
+        self.accuracy = accuracy
         self.history: list[tuple[int, float, float]] = []
         self.best: tuple[int, float] | None = None
 
@@ -592,6 +628,7 @@ class PeriodicEvalCallback(TrainerCallback):
             num_examples=0,
             chat_template_kwargs=args.chat_template_kwargs,
             trainer=self.trainer() if self.trainer else None,
+            accuracy=self.accuracy,
         )
         self.record(state.global_step, report, model=model)
         return control

@@ -161,6 +161,26 @@ class MathScriptArguments:
             "example with a tool call: a JSON list of messages, or a .json file holding one."
         },
     )
+    environment: str | None = field(
+        default=None,
+        metadata={
+            "help": "Train and evaluate on an environment in place of dataset_name: "
+            "reasoning_gym:TASK (reasoning_gym:chain_sum; a mix: reasoning_gym:chain_sum,"
+            "leg_counting, weighted: reasoning_gym:chain_sum=3,leg_counting=1), or the dotted "
+            "path of a function returning the trainer's keyword arguments (my_envs.make for "
+            "./my_envs.py, e.g. a from_verifiers(...) or from_openenv(...) call). Its rewards "
+            "come first (then reward_funcs, unless left at the math default) and score the "
+            "held-out evaluation; num_train_samples and num_eval_samples size its splits."
+        },
+    )
+    environment_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Settings passed through to the environment, as a JSON object (a mapping in "
+            'YAML): reasoning-gym\'s task settings ({"max_terms": 2}; for a mix, one object '
+            "per task name), or the keyword arguments of an environment function."
+        },
+    )
     eval_max_new_tokens: int | None = field(
         default=None, metadata={"help": "Token cap of evaluation; default max_completion_length."}
     )
@@ -273,21 +293,170 @@ TRL_REWARD_NAMES = {
 }
 
 
-def load_rewards(script_args) -> list:
-    """The run's rewards: `reward_model_name_or_path` first (the trainer loads it), then each of
-    `reward_funcs` by registry name, TRL's name or dotted path; `judge` from the `judge_*`
-    arguments (`judge_from_arguments`)."""
+def load_rewards(script_args, environment_rewards: list | None = None) -> list:
+    """The run's rewards: `reward_model_name_or_path` first (the trainer loads it), then an
+    environment's own rewards, then each of `reward_funcs` by registry name, TRL's name or
+    dotted path (with an environment, none when left at the math default); `judge` from the
+    `judge_*` arguments (`judge_from_arguments`)."""
     from .rewards import get_reward
 
     rewards = (
         [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     )
-    return rewards + [
-        judge_from_arguments(script_args)
-        if name == "judge"
-        else get_reward(TRL_REWARD_NAMES.get(name, name))
-        for name in script_args.reward_funcs
-    ]
+    names = script_args.reward_funcs
+    if environment_rewards is not None and list(names) == MATH_REWARDS:
+        names = []
+    return (
+        rewards
+        + list(environment_rewards or [])
+        + [
+            judge_from_arguments(script_args)
+            if name == "judge"
+            else get_reward(TRL_REWARD_NAMES.get(name, name))
+            for name in names
+        ]
+    )
+
+
+def environment_accuracy(environment: dict):
+    """What scores the held-out evaluation of a run with an environment, or None (the recipe's
+    `math_accuracy`) when it brings no reward or no held-out problems: a problem is solved (1.0)
+    when the environment's reward reaches 1 (reasoning-gym's score of an exact answer), else
+    0.0, partial credit included (reasoning-gym gives some to an answer that merely contains the
+    right one: "10" for "0"). The reward of several functions is their weighted sum, by the
+    `reward_weights` attribute of the keyword arguments when they have one (`from_verifiers`)."""
+    rewards = list(environment.get("reward_funcs") or [])
+    if not rewards or "eval_dataset" not in environment:
+        return None
+    weights = list(getattr(environment, "reward_weights", None) or [1.0] * len(rewards))
+
+    def solved(completions, **kwargs) -> list[float]:
+        total = [0.0] * len(completions)
+        for reward, weight in zip(rewards, weights, strict=True):
+            scores = reward(completions=completions, **kwargs)
+            total = [t + weight * float(s or 0.0) for t, s in zip(total, scores, strict=True)]
+        return [float(value >= 1.0 - 1e-9) for value in total]
+
+    return solved
+
+
+# The recipe's default rewards, which score math answers: with an environment, which brings its
+# own, they are left out unless reward_funcs names others.
+MATH_REWARDS = ["math_accuracy", "format"]
+
+
+def load_environment(script_args, training_args) -> dict | None:
+    """The trainer's keyword arguments from `--environment` (None without one), with a held-out
+    `eval_dataset` whenever the source can make one: for `reasoning_gym:...`,
+    `num_eval_samples` problems generated after the `num_train_samples` training ones (seed:
+    the run's) whose questions are not among the training questions; for a dotted path, what
+    the function returns, called with `environment_config`'s keyword arguments (and `args`, the
+    training arguments, when it takes them)."""
+    spec = script_args.environment
+    if not spec:
+        return None
+    config = environment_settings(script_args.environment_config)
+    if spec.startswith("reasoning_gym:"):
+        from .environments.reasoning_gym import from_reasoning_gym
+
+        system = script_args.system_prompt
+        held_out = script_args.num_eval_samples or 200
+        size = script_args.num_train_samples or 1000
+        kwargs = from_reasoning_gym(
+            reasoning_gym_tasks(spec),
+            size=size,
+            seed=training_args.seed,
+            # Twice as many as kept: a repeat of a training question is dropped.
+            eval_size=2 * held_out,
+            system_prompt=None if system == SYSTEM_PROMPT else system,
+            **config,
+        )
+        kwargs["eval_dataset"] = unseen_rows(kwargs["train_dataset"], kwargs["eval_dataset"])
+        if len(kwargs["eval_dataset"]) < held_out:
+            raise ValueError(
+                f"--environment {spec}: only {len(kwargs['eval_dataset'])} of "
+                f"{2 * held_out} held-out problems differ from the {size} training ones; "
+                "give a harder environment_config (more distinct problems), or lower "
+                "num_train_samples or num_eval_samples."
+            )
+        kwargs["eval_dataset"] = kwargs["eval_dataset"].select(range(held_out))
+        return kwargs
+    if ":" not in spec and "." not in spec:
+        raise ValueError(
+            f"--environment {spec!r}: expected reasoning_gym:TASK (e.g. reasoning_gym:chain_sum) "
+            "or the dotted path of a function returning the trainer's keyword arguments "
+            "(my_envs.make for ./my_envs.py)."
+        )
+    import inspect
+
+    from .rewards.registry import _import_object
+
+    source = _import_object(spec)
+    if callable(source):
+        if "args" in inspect.signature(source).parameters:
+            config.setdefault("args", training_args)
+        source = source(**config)
+    if not isinstance(source, dict):
+        raise TypeError(
+            f"--environment {spec}: expected a dict of the trainer's keyword arguments "
+            f"(train_dataset, reward_funcs, environment_factory, ...), got {type(source).__name__}."
+        )
+    weights = source.pop("reward_weights", None)  # a setting of the config, not the trainer's
+    if weights is not None and training_args.reward_weights is None:
+        training_args.reward_weights = list(weights)
+    return source
+
+
+def reasoning_gym_tasks(spec: str) -> str | list[str] | dict[str, float]:
+    """The task names of `reasoning_gym:a,b` (a list) or `reasoning_gym:a=3,b=1` (weights)."""
+    names = [name.strip() for name in spec.partition(":")[2].split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"--environment {spec!r} names no task; e.g. reasoning_gym:chain_sum.")
+    if len(names) == 1 and "=" not in names[0]:
+        return names[0]
+    if not any("=" in name for name in names):
+        return names
+    weights = {}
+    for name in names:
+        task, _, weight = name.partition("=")
+        try:
+            weights[task.strip()] = float(weight)
+        except ValueError:
+            raise ValueError(
+                f"--environment {spec!r}: {name!r} is not TASK=WEIGHT (a number); give every "
+                "task a weight or none."
+            ) from None
+    return weights
+
+
+def environment_settings(value) -> dict:
+    """`environment_config` as a dict: a mapping (from YAML) or a JSON object."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"environment_config must be a JSON object, e.g. '{{\"max_terms\": 2}}'; "
+                f"reading {value[:80]!r} failed: {error}"
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"environment_config must be a mapping of settings, got {value!r}.")
+    return dict(value)
+
+
+def unseen_rows(train_dataset, eval_dataset):
+    """The rows of `eval_dataset` whose question (the last message of the prompt) is asked
+    neither in `train_dataset` nor earlier in `eval_dataset`."""
+    seen = {prompt[-1]["content"] for prompt in train_dataset["prompt"]}
+    keep = []
+    for index, prompt in enumerate(eval_dataset["prompt"]):
+        question = prompt[-1]["content"]
+        if question not in seen:
+            seen.add(question)
+            keep.append(index)
+    return eval_dataset.select(keep)
 
 
 def judge_from_arguments(script_args):

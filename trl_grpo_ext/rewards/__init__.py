@@ -5,19 +5,21 @@ A reward function is a plain callable, called with keyword arguments only,
 returning one `float` (or `None`: not applicable) per completion; its `__name__` is the metric
 name. So these rewards work in `trl.GRPOTrainer`, and TRL's and open-r1's work here.
 
-Built-ins (registered names): `math_accuracy`, `format`, `tag_count`, `overlong_penalty`, `length`,
-and `judge`, the factory `judge_reward(...)` of an LLM judge's reward function (`rewards/judge.py`).
+Built-ins (registered names): `math_accuracy`, `format`, `tag_count`, `answer_tags`,
+`overlong_penalty`, `length`, and `judge`, the factory `judge_reward(...)` of an LLM judge's
+reward function (`rewards/judge.py`).
 See docs/rewards.md.
 """
 
 from ._convention import completion_text
 from .accuracy import math_accuracy, math_accuracy_reward
-from .format import format_reward, tag_count_reward
+from .format import answer_tags, format_reward, tag_count_reward
 from .judge import judge_reward
 from .length import length_reward, overlong_penalty
 from .registry import get_reward, list_rewards, register_reward
 
 __all__ = [
+    "answer_tags",
     "completion_text",
     "format_reward",
     "get_reward",

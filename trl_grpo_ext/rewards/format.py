@@ -121,3 +121,27 @@ def tag_count_reward(tags=("<think>", "</think>", "<answer>", "</answer>")) -> T
         [1.0, 0.5, 0.25, 0.25, 0.0]
     """
     return TagCount(tags)
+
+
+_ANSWER_BLOCK = re.compile(r"<answer>(?P<answer>.*?)</answer>\s*", re.DOTALL)
+
+
+@register_reward("answer_tags")
+def answer_tags(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
+    """1.0 when a completion ends with its one non-empty `<answer>...</answer>` block (the
+    format reasoning-gym's prompts ask for and its `extract_answer` reads), else 0.0: a
+    format-shaping reward to add to an accuracy reward that scores untagged answers 0.
+
+    Example:
+        >>> answer_tags(completions=["3 + 4 = 7. <answer>7</answer>", "<answer>7</answer> so 7",
+        ...                          "7", "<answer> </answer>", "<answer>6</answer><answer>7</answer>"])
+        [1.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    scores = []
+    for text in completion_texts(completions, "answer_tags"):
+        match = _ANSWER_BLOCK.search(text)
+        ended = match is not None and match.end() == len(text)
+        scores.append(
+            float(ended and text.count("<answer>") == 1 and bool(match["answer"].strip()))
+        )
+    return scores
