@@ -7,7 +7,7 @@ import inspect
 import pytest
 import trl
 from packaging.version import Version
-from trainer_helpers import odd_first_byte
+from trainer_helpers import digit_sums, odd_first_byte
 
 from trl_grpo_ext import GroupRelativeConfig, GroupRelativeTrainer
 from trl_grpo_ext.tiny import tiny_model_and_tokenizer
@@ -67,13 +67,16 @@ def test_quantization_config_reaches_from_pretrained(tmp_path, tiny_model_dir, m
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
     GroupRelativeTrainer(
         tiny_model_dir, odd_first_byte, args=_args(tmp_path, model_init_kwargs={"dtype": "float32"}),
+        train_dataset=digit_sums(),
         quantization_config=quantization,
     )  # fmt: skip
     assert len(calls) == 1
     assert calls[0]["quantization_config"] is quantization
     assert calls[0]["dtype"] == "float32"  # model_init_kwargs still apply
     calls.clear()
-    GroupRelativeTrainer(tiny_model_dir, odd_first_byte, args=_args(tmp_path))
+    GroupRelativeTrainer(
+        tiny_model_dir, odd_first_byte, args=_args(tmp_path), train_dataset=digit_sums()
+    )
     assert "quantization_config" not in calls[0]
 
 
@@ -84,7 +87,11 @@ def test_quantization_config_in_two_places_is_an_error(tmp_path, tiny_model_dir)
     args = _args(tmp_path, model_init_kwargs={"quantization_config": {"load_in_4bit": True}})
     with pytest.raises(ValueError, match="both as a trainer argument and in"):
         GroupRelativeTrainer(
-            tiny_model_dir, odd_first_byte, args=args, quantization_config=quantization
+            tiny_model_dir,
+            odd_first_byte,
+            args=args,
+            quantization_config=quantization,
+            train_dataset=digit_sums(),
         )
 
 
@@ -95,5 +102,6 @@ def test_quantization_config_with_a_model_object_says_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="loaded already.*from_pretrained"):
         GroupRelativeTrainer(
             model, odd_first_byte, args=_args(tmp_path), processing_class=tokenizer,
+            train_dataset=digit_sums(),
             quantization_config=BitsAndBytesConfig(load_in_4bit=True),
         )  # fmt: skip

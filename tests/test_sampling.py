@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import processors
-from trainer_helpers import logged, lora_config, make_trainer
+from trainer_helpers import digit_sums, logged, lora_config, make_trainer
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 from transformers.generation.utils import GenerationMixin
@@ -257,7 +257,10 @@ def test_remote_code_runs_only_when_asked(tmp_path, tiny_model_dir, monkeypatch)
             trust_remote_code=trust,
         )  # fmt: skip
         GroupRelativeTrainer(
-            tiny_model_dir, lambda completions, **_: [0.0] * len(completions), args=args
+            tiny_model_dir,
+            lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=digit_sums(),
         )
         assert calls == [("AutoModelForCausalLM", trust), ("AutoTokenizer", trust)]
 

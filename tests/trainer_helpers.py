@@ -13,6 +13,18 @@ def digit_sums(size: int = 3) -> Dataset:
     )
 
 
+def default_dataset(agent: dict) -> Dataset | None:
+    """`make_trainer`'s prompts for its `agent` arguments: none for an environment (its reset()
+    gives them), `digit_sums` as user messages for tools, else `digit_sums`."""
+    if "environment_factory" in agent:
+        return None
+    if "tools" in agent:
+        return digit_sums().map(
+            lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]}
+        )
+    return digit_sums()
+
+
 def right_digit(completions, answer, **kwargs):
     """1.0 when the completion starts with the right digit."""
     return [
@@ -47,7 +59,8 @@ def make_trainer(
 ):
     """A trainer on the tiny model with fast defaults; `config` overrides GroupRelativeConfig,
     but `tools`, `environment_factory` and `rollout_func`, which go to the trainer (and with an
-    `environment_factory`, `dataset=None` means no dataset)."""
+    `environment_factory`, `dataset=None` means no dataset; with `tools`, the prompts are
+    `digit_sums` as user messages)."""
     agent = {
         k: config.pop(k) for k in ("tools", "environment_factory", "rollout_func") if k in config
     }
@@ -72,7 +85,7 @@ def make_trainer(
         model=model,
         reward_funcs=reward_funcs,
         args=args,
-        train_dataset=digit_sums() if dataset is None and not agent else dataset,
+        train_dataset=default_dataset(agent) if dataset is None else dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=(peft_config or lora_config()) if peft and model is not None else None,

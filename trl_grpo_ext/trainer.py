@@ -341,7 +341,12 @@ class GroupRelativeTrainer(
         """
         args = self.args
         training = self.model.training  # False in evaluate(), as TRL tells them apart
-        accumulation = self.current_gradient_accumulation_steps if training else 1
+        # The Trainer sets current_gradient_accumulation_steps in train(); a call outside it
+        # (a subclass's test, say) takes the configured steps.
+        steps = getattr(
+            self, "current_gradient_accumulation_steps", args.gradient_accumulation_steps
+        )
+        accumulation = steps if training else 1
         no_signal = self._carries_no_signal(batch)
         aux_losses = captured_aux_losses(model) if self.aux_loss_enabled else nullcontext([])
         with torch.no_grad() if no_signal else nullcontext(), aux_losses as aux_losses:
