@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from .batches import split_micro_batches, training_tensors
 from .metrics import rollout_metrics
 from .objective import group_advantages, weighted_rewards
+from .preparation import eval_set_by_name
 
 
 @torch.no_grad()
@@ -201,3 +202,41 @@ def rewards_table(before: dict, after: dict, prefix: str = "eval") -> str:
             label = name[len(prefix) + 1 :]
             lines.append(f"| {label} | {cell(before.get(name))} | {cell(after.get(name))} |")
     return "\n".join(lines)
+
+
+class EvaluationMixin:
+    """The trainer's `evaluate()`, over `mean_rewards`."""
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Samples completions for the evaluation prompts, scores them, and reports TRL's
+        evaluation loss and metrics.
+
+        Args:
+            eval_dataset (`Dataset`, `IterableDataset`, `dict`, `DatasetDict` or `str`, *optional*):
+                The prompts; defaults to the trainer's `eval_dataset`. Several sets (a dict)
+                are each evaluated, their metrics named `{prefix}_<name>_...`, as in
+                `transformers.Trainer`; a `str` evaluates the trainer's set of that name.
+            metric_key_prefix (`str`, *optional*, defaults to `"eval"`): prefix of the keys.
+
+        Returns:
+            `dict` with `{prefix}_loss` (the objective on the sampled completions at the current
+            weights, TRL's `eval_loss`), `{prefix}_reward`, `{prefix}_rewards/<name>/mean` and
+            the other rollout and objective metrics.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (passed here or to the trainer).")
+        if isinstance(dataset, str):
+            dataset = eval_set_by_name(self.eval_dataset, dataset)
+        if isinstance(dataset, dict):  # several sets, a DatasetDict among them
+            metrics = {}
+            for name, each in dataset.items():
+                metrics.update(self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        metrics = mean_rewards(self, dataset, metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(
+            self.args, self.state, self.control, metrics
+        )
+        return metrics

@@ -34,7 +34,7 @@ from .checkpoints import epoch_micro_step
 from .config import GroupRelativeConfig
 from .dynamic_sampling import random_rows, sample_informative
 from .entropy_control import EntropyControl
-from .eval_rewards import mean_rewards
+from .eval_rewards import EvaluationMixin
 from .generation import check_prompt_dataset
 from .generation.images import text_tokenizer
 from .generation.rollout import Rollout, eos_token_ids
@@ -72,7 +72,12 @@ RewardSpec = Callable | str | PreTrainedModel
 
 
 class GroupRelativeTrainer(
-    TrlHelpersMixin, RolloutCheckpointsMixin, HubMixin, FullWeightsMixin, Trainer
+    TrlHelpersMixin,
+    EvaluationMixin,
+    RolloutCheckpointsMixin,
+    HubMixin,
+    FullWeightsMixin,
+    Trainer,
 ):
     """Trains a causal language model with GRPO.
 
@@ -586,39 +591,3 @@ class GroupRelativeTrainer(
         super().log(logs, start_time)
         if table is not None:  # printed and sent to the trackers after the step's metrics
             log_completions(table, self.state.global_step, self.args)
-
-    # ------------------------------------------------------------- evaluation
-
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Samples completions for the evaluation prompts, scores them, and reports TRL's
-        evaluation loss and metrics.
-
-        Args:
-            eval_dataset (`Dataset`, `IterableDataset`, `dict`, `DatasetDict` or `str`, *optional*):
-                The prompts; defaults to the trainer's `eval_dataset`. Several sets (a dict)
-                are each evaluated, their metrics named `{prefix}_<name>_...`, as in
-                `transformers.Trainer`; a `str` evaluates the trainer's set of that name.
-            metric_key_prefix (`str`, *optional*, defaults to `"eval"`): prefix of the keys.
-
-        Returns:
-            `dict` with `{prefix}_loss` (the objective on the sampled completions at the current
-            weights, TRL's `eval_loss`), `{prefix}_reward`, `{prefix}_rewards/<name>/mean` and
-            the other rollout and objective metrics.
-        """
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (passed here or to the trainer).")
-        if isinstance(dataset, str):
-            dataset = preparation.eval_set_by_name(self.eval_dataset, dataset)
-        if isinstance(dataset, dict):  # several sets, a DatasetDict among them
-            metrics = {}
-            for name, each in dataset.items():
-                metrics.update(self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        metrics = mean_rewards(self, dataset, metric_key_prefix)
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(
-            self.args, self.state, self.control, metrics
-        )
-        return metrics
