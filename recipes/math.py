@@ -195,7 +195,7 @@ def main(script_args, training_args, model_args, dataset_args=None):
 
     # Save the adapter, the before/after table and the model card; then the reward curve, which
     # only adds to them (a plot that cannot be drawn is a warning, never the end of a run).
-    table = before_after_table(before, after)
+    table = before_after_table(before, after, boxed=accuracy is None)
     if is_main:
         with open(os.path.join(training_args.output_dir, "before_after.md"), "w") as handle:
             handle.write(table + "\n")

@@ -189,6 +189,10 @@ def test_table_and_curve(tmp_path):
     table = before_after_table(before, after)
     assert "| greedy pass@1, answer right (lenient) | 25.0% | 61.0% |" in table
     assert "| problems | 200 | 200 |" in table
+    assert "| greedy pass@1, boxed and finished too (strict) | 20.0% | 60.0% |" in table
+    # Scored by an environment's accuracy: strict is a right answer in a finished completion.
+    unboxed = before_after_table(before, after, boxed=False)
+    assert "| greedy pass@1, finished too (strict) | 20.0% | 60.0% |" in unboxed
     metrics = tmp_path / "metrics.jsonl"
     records = [{"step": s, "reward": s / 100} for s in range(10, 60, 10)]
     records += [{"step": 0, "heldout/accuracy": 0.25}, {"step": 50, "heldout/accuracy": 0.6}]

@@ -686,8 +686,10 @@ def keep_records_up_to(path: str, step: int) -> str | None:
 # ------------------------------------------------------------------------- reports
 
 
-def before_after_table(before: EvalReport, after: EvalReport) -> str:
-    """A markdown table of the held-out accuracies before and after training."""
+def before_after_table(before: EvalReport, after: EvalReport, boxed: bool = True) -> str:
+    """A markdown table of the held-out accuracies before and after training. `boxed=False`
+    when an `accuracy` function scored in place of `math_accuracy`: strict is then the answer
+    right and the completion finished (see `score_completions`)."""
 
     def percent(value):
         return "-" if value is None else f"{value:.1%}"
@@ -695,7 +697,7 @@ def before_after_table(before: EvalReport, after: EvalReport) -> str:
     rows = [
         ("greedy pass@1, answer right (lenient)", before.greedy_lenient, after.greedy_lenient),
         (
-            "greedy pass@1, boxed and finished too (strict)",
+            f"greedy pass@1, {'boxed and ' if boxed else ''}finished too (strict)",
             before.greedy_strict,
             after.greedy_strict,
         ),
