@@ -181,6 +181,16 @@ def test_a_map_style_train_set_keeps_its_workers_beside_an_iterable_eval_set_as_
         assert trainer.get_train_dataloader().num_workers == 2
         assert trainer.get_eval_dataloader().num_workers == 0  # the stream's, for this loader
         assert trainer.args.dataloader_num_workers == 2
+    # by name, among several sets: the stream's without workers; an unknown name says the names
+    named = make_trainer(
+        tmp_path / "named",
+        eval_dataset={"stream": eval_dataset, "rows": digit_sums()},
+        **{**TINY, **WORKERS},
+    )
+    assert named.get_eval_dataloader("stream").num_workers == 0
+    assert named.get_eval_dataloader("rows").num_workers == 2
+    with pytest.raises(ValueError, match=r"the sets \['rows', 'stream'\]"):
+        named.get_eval_dataloader("missing")
 
 
 @matches_trl

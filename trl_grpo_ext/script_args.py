@@ -355,7 +355,7 @@ def load_environment(script_args, training_args) -> dict | None:
     spec = script_args.environment
     if not spec:
         return None
-    config = environment_settings(script_args.environment_config)
+    config = json_object(script_args.environment_config, "environment_config", '{"max_terms": 2}')
     if spec.startswith("reasoning_gym:"):
         from .environments.reasoning_gym import from_reasoning_gym
 
@@ -429,8 +429,9 @@ def reasoning_gym_tasks(spec: str) -> str | list[str] | dict[str, float]:
     return weights
 
 
-def environment_settings(value) -> dict:
-    """`environment_config` as a dict: a mapping (from YAML) or a JSON object."""
+def json_object(value, name: str, example: str) -> dict:
+    """The setting `name` as a dict: a mapping (from YAML), a JSON object (from the command
+    line), or nothing (`{}`); anything else is a ValueError that shows `example`."""
     if value is None or value == "":
         return {}
     if isinstance(value, str):
@@ -438,11 +439,13 @@ def environment_settings(value) -> dict:
             value = json.loads(value)
         except json.JSONDecodeError as error:
             raise ValueError(
-                f"environment_config must be a JSON object, e.g. '{{\"max_terms\": 2}}'; "
-                f"reading {value[:80]!r} failed: {error}"
+                f"{name} must be a JSON object, e.g. '{example}'; reading {value[:80]!r} "
+                f"failed: {error}"
             ) from None
     if not isinstance(value, dict):
-        raise ValueError(f"environment_config must be a mapping of settings, got {value!r}.")
+        raise ValueError(
+            f"{name} must be a JSON object (a mapping), e.g. '{example}'; got {value!r}."
+        )
     return dict(value)
 
 
@@ -476,16 +479,9 @@ def judge_from_arguments(script_args):
             "judge_base_url: http://127.0.0.1:8000/v1, judge_model: <the name the server gives "
             "it>, judge_rubric: <what makes a response good>."
         )
-    extra_body = None
-    if script_args.judge_extra_body:
-        try:
-            extra_body = json.loads(script_args.judge_extra_body)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"judge_extra_body must be a JSON object; reading it failed: {error}"
-            ) from None
-        if not isinstance(extra_body, dict):
-            raise ValueError(f"judge_extra_body must be a JSON object, got {extra_body!r}.")
+    extra_body = json_object(
+        script_args.judge_extra_body, "judge_extra_body", '{"structured_outputs": {...}}'
+    )
     judge = get_reward(
         "judge",
         base_url=script_args.judge_base_url,
@@ -496,7 +492,7 @@ def judge_from_arguments(script_args):
         max_concurrency=script_args.judge_max_concurrency,
         timeout=script_args.judge_timeout,
         max_tokens=script_args.judge_max_tokens,
-        extra_body=extra_body,
+        extra_body=extra_body or None,
         api_key=script_args.judge_api_key or os.environ.get("JUDGE_API_KEY"),
     )
     judge.check_server()

@@ -11,6 +11,7 @@ import torch
 
 from .metrics import pooled_entropies
 from .objective import entropy_quantile_mask, off_policy_mask
+from .preparation import eval_set_by_name
 
 
 class TrlHelpersMixin:
@@ -58,7 +59,7 @@ class TrlHelpersMixin:
         `dataloader_num_workers` of `args` stays as given."""
         chosen = self.eval_dataset if eval_dataset is None else eval_dataset
         if isinstance(chosen, str):
-            chosen = self.eval_dataset[chosen]
+            chosen = eval_set_by_name(self.eval_dataset, chosen)
         if not isinstance(chosen, datasets.IterableDataset):
             return super().get_eval_dataloader(eval_dataset)
         workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
